@@ -1,0 +1,218 @@
+"""Argument checks, one helper per op.
+
+Every check reads shapes, dtypes, devices and strides only (never values), so
+the same helpers run eagerly, under Dynamo and with fake tensors, and always
+before anything is launched or written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"kda_ops: `{name}` {message}")
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None):
+    """Checks one tensor; `shape` entries of None match any size."""
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"must be a tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
+        _fail(name, f"must have {ndim} dims, got shape {_shape(t)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(
+            want is not None and got != want for got, want in zip(t.shape, shape)
+        ):
+            expected = tuple("*" if s is None else s for s in shape)
+            _fail(name, f"must have shape {expected}, got {_shape(t)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        _fail(name, f"must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if device is not None and t.device != device:
+        _fail(name, f"must be on {device} like the other tensors, got {t.device}")
+
+
+def _token_view(name, t, leading_ndim):
+    """Accepts `[num_tokens, ...]` or `[1, num_tokens, ...]` and returns the
+    shape without the optional leading 1."""
+    if t.dim() == leading_ndim + 1:
+        if t.shape[0] != 1:
+            _fail(name, f"may have an extra leading dim only of size 1, got shape {_shape(t)}")
+        return tuple(t.shape[1:])
+    if t.dim() != leading_ndim:
+        _fail(name, f"must have {leading_ndim} dims (or {leading_ndim + 1} with a leading 1), "
+              f"got shape {_shape(t)}")
+    return tuple(t.shape)
+
+
+def _gate_params(A_log, dt_bias, num_heads, key_dim, device, num_layers=None):
+    """A_log `[H]` / dt_bias `[H, K]` or `[H*K]`; with layers, `[L, H]` and
+    `[L, H, K]` (or `[L, H*K]`)."""
+    lead = () if num_layers is None else (num_layers,)
+    check_tensor("A_log", A_log, shape=lead + (num_heads,), dtypes=ACTIVATION_DTYPES,
+                 device=device)
+    check_tensor("dt_bias", dt_bias, dtypes=ACTIVATION_DTYPES, device=device)
+    if _shape(dt_bias) not in (lead + (num_heads, key_dim), lead + (num_heads * key_dim,)):
+        _fail("dt_bias", f"must have shape {lead + (num_heads, key_dim)} or "
+              f"{lead + (num_heads * key_dim,)}, got {_shape(dt_bias)}")
+
+
+def _request_metadata(query_start_loc, state_indices, device):
+    check_tensor("state_indices", state_indices, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    batch = state_indices.shape[0]
+    check_tensor("query_start_loc", query_start_loc, shape=(batch + 1,), dtypes=INDEX_DTYPES,
+                 device=device)
+    return batch
+
+
+@dataclass(frozen=True)
+class VerifyDims:
+    num_tokens: int
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    num_blocks: int
+    spec_len: int
+    batch: int
+
+
+def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
+                 query_start_loc, state_indices, scale, out) -> VerifyDims:
+    check_tensor("q", q, dtypes=ACTIVATION_DTYPES)
+    device = q.device
+    num_tokens, num_heads, key_dim = _token_view("q", q, 3)
+    for name, t in (("k", k), ("g", g)):
+        check_tensor(name, t, dtypes=(q.dtype,), device=device)
+        if _shape(t) != _shape(q):
+            _fail(name, f"must have the shape of q {_shape(q)}, got {_shape(t)}")
+    check_tensor("v", v, dtypes=(q.dtype,), device=device)
+    v_shape = _token_view("v", v, 3)
+    if v.dim() != q.dim() or v_shape[:2] != (num_tokens, num_heads):
+        _fail("v", f"must have shape {_shape(q)[:-1] + ('V',)}, got {_shape(v)}")
+    value_dim = v_shape[2]
+    check_tensor("beta", beta, dtypes=ACTIVATION_DTYPES, device=device)
+    if beta.dim() != q.dim() - 1 or _token_view("beta", beta, 2) != (num_tokens, num_heads):
+        _fail("beta", f"must have shape {_shape(q)[:-1]}, got {_shape(beta)}")
+    _gate_params(A_log, dt_bias, num_heads, key_dim, device)
+
+    check_tensor("state", state, shape=(None, num_heads, value_dim, key_dim),
+                 dtypes=STATE_DTYPES, device=device)
+    num_blocks = state.shape[0]
+    check_tensor("correction", correction, shape=(num_blocks, num_heads, None, value_dim),
+                 dtypes=(torch.float32,), device=device)
+    spec_len = correction.shape[2]
+    if spec_len < 1:
+        _fail("correction", f"must hold at least one token per window, got shape "
+              f"{_shape(correction)}")
+    check_tensor("key_gate", key_gate, shape=(num_blocks, num_heads, spec_len, 2 * key_dim),
+                 dtypes=(k.dtype,), device=device)
+    batch = _request_metadata(query_start_loc, state_indices, device)
+    if scale is not None and not isinstance(scale, (int, float)):
+        _fail("scale", f"must be a float or None, got {type(scale).__name__}")
+    if out is None:
+        _fail("out", "is required by torch.ops.kda_ops.verify (kda_ops.verify allocates it)")
+    check_tensor("out", out, shape=_shape(v), dtypes=(v.dtype,), device=device)
+    return VerifyDims(num_tokens, num_heads, key_dim, value_dim, num_blocks, spec_len, batch)
+
+
+def check_lower_bound(lower_bound):
+    if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and lower_bound < 0):
+        _fail("lower_bound", f"must be a negative float or None, got {lower_bound!r}")
+
+
+@dataclass(frozen=True)
+class PlanArgs:
+    batch: int
+    align: bool
+
+
+def check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
+               request_indices, block_table, num_computed_tokens, block_size,
+               device) -> PlanArgs:
+    batch = _request_metadata(query_start_loc, state_indices, device)
+    check_tensor("num_accepted_tokens", num_accepted_tokens, ndim=1, dtypes=INDEX_DTYPES,
+                 device=device)
+    if not isinstance(spec_len, int) or spec_len < 1:
+        _fail("spec_len", f"must be a positive int, got {spec_len!r}")
+    if request_indices is not None:
+        check_tensor("request_indices", request_indices, shape=(batch,), dtypes=INDEX_DTYPES,
+                     device=device)
+    elif num_accepted_tokens.shape[0] < batch:
+        _fail("num_accepted_tokens", f"must have at least {batch} entries (one per request "
+              f"without request_indices), got shape {_shape(num_accepted_tokens)}")
+    align_args = {"block_table": block_table, "num_computed_tokens": num_computed_tokens,
+                  "block_size": block_size}
+    given = [name for name, a in align_args.items() if a is not None]
+    if given and len(given) != 3:
+        missing = [name for name in align_args if name not in given]
+        _fail(missing[0], f"is required in align mode (given: {', '.join(given)})")
+    align = bool(given)
+    if align:
+        check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, device=device)
+        if block_table.shape[1] < 1:
+            _fail("block_table", f"must have at least one column, got {_shape(block_table)}")
+        rows = block_table.shape[0]
+        check_tensor("num_computed_tokens", num_computed_tokens, shape=(rows,),
+                     dtypes=INDEX_DTYPES, device=device)
+        if not isinstance(block_size, int) or block_size < 1:
+            _fail("block_size", f"must be a positive int, got {block_size!r}")
+    return PlanArgs(batch, align)
+
+
+@dataclass(frozen=True)
+class CommitDims:
+    num_layers: int
+    stacked: bool
+    num_blocks: int
+    num_heads: int
+    value_dim: int
+    key_dim: int
+    spec_len: int
+    conv_dim: int
+    conv_history: int
+
+
+def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
+                 correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
+                 block_table, num_computed_tokens, block_size) -> tuple[CommitDims, PlanArgs]:
+    check_tensor("state", state, ndim=(4, 5), dtypes=STATE_DTYPES)
+    device = state.device
+    stacked = state.dim() == 5
+    lead = tuple(state.shape[:1]) if stacked else ()
+    num_layers = state.shape[0] if stacked else 1
+    num_blocks, num_heads, value_dim, key_dim = state.shape[-4:]
+    check_tensor("correction", correction, shape=lead + (num_blocks, num_heads, None, value_dim),
+                 dtypes=(torch.float32,), device=device)
+    spec_len = correction.shape[-2]
+    if spec_len < 1:
+        _fail("correction", f"must hold at least one token per window, got shape "
+              f"{_shape(correction)}")
+    check_tensor("key_gate", key_gate, shape=lead + (num_blocks, num_heads, spec_len, 2 * key_dim),
+                 dtypes=ACTIVATION_DTYPES, device=device)
+    _gate_params(A_log, dt_bias, num_heads, key_dim, device,
+                 num_layers=num_layers if stacked else None)
+    check_lower_bound(lower_bound)
+    conv_dim, conv_history = 0, 0
+    if conv_state is not None:
+        check_tensor("conv_state", conv_state, shape=lead + (num_blocks, None, None),
+                     dtypes=ACTIVATION_DTYPES, device=device)
+        conv_dim = conv_state.shape[-2]
+        conv_history = conv_state.shape[-1] - (spec_len - 1)
+        if conv_history < 1:
+            _fail("conv_state", f"must have W-1+T-1 >= T columns for T={spec_len} "
+                  f"(viewed [N, D, W-1+T-1]), got shape {_shape(conv_state)}")
+    plan = check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
+                      request_indices, block_table, num_computed_tokens, block_size, device)
+    dims = CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, spec_len,
+                      conv_dim, conv_history)
+    return dims, plan

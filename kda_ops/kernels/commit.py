@@ -1,0 +1,196 @@
+"""Commit: fold the accepted prefix of every layer into its checkpoint.
+
+Two launches cover all layers: one folds the recurrent state, one compacts the
+convolution history. Both compute the commit plan of their request inline
+(`commit_plan_row`), so no intermediate plan tensor is written or read.
+"""
+
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from .common import block_is_valid, commit_plan_row, kda_gate, l2_normalize, live_range
+
+
+@triton.jit
+def _commit_state_kernel(
+    state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr,
+    accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
+    block_table_ptr, computed_ptr,
+    num_blocks, num_rows, bt_cols, block_size, lower_bound,
+    stride_accepted, stride_request, stride_state_indices, stride_query_start,
+    stride_bt_row, stride_bt_col, stride_computed,
+    stride_s_layer, stride_s_blk, stride_s_head, stride_s_v, stride_s_k,
+    stride_c_layer, stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
+    stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
+    stride_A_layer, stride_A_head, stride_dt_layer, stride_dt_head, stride_dt_dim,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NUM_HEADS: tl.constexpr, SPEC_LEN: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr,
+):
+    pid_v = tl.program_id(0)
+    b = tl.program_id(1)
+    layer = tl.program_id(2) // NUM_HEADS
+    h = tl.program_id(2) % NUM_HEADS
+
+    commit, final, boundary, recovery = commit_plan_row(
+        b, accepted_ptr, stride_accepted, request_ptr, stride_request,
+        state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
+        block_table_ptr, stride_bt_row, stride_bt_col, bt_cols, computed_ptr, stride_computed,
+        num_rows, block_size, SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
+    )
+    source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+    final_ok = block_is_valid(final, num_blocks)
+    boundary_ok = block_is_valid(boundary, num_blocks)
+    if (commit > 0) & block_is_valid(source, num_blocks) & (final_ok | boundary_ok):
+        offs_k = tl.arange(0, BK)
+        offs_v = pid_v * BV + tl.arange(0, BV)
+        mask_k = offs_k < K
+        mask_v = offs_v < V
+        mask_tile = mask_v[:, None] & mask_k[None, :]
+        tile = offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
+        head_base = state_ptr + layer * stride_s_layer + h * stride_s_head
+        # The whole source tile is read before anything is stored, and no other
+        # program touches it, so final == source (in-place) is race-free.
+        state = tl.load(head_base + source * stride_s_blk + tile, mask=mask_tile,
+                        other=0.0).to(tl.float32)
+        A = tl.exp(tl.load(A_log_ptr + layer * stride_A_layer + h * stride_A_head).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + layer * stride_dt_layer + h * stride_dt_head
+                          + offs_k * stride_dt_dim, mask=mask_k, other=0.0).to(tl.float32)
+        corr_row = (correction_ptr + layer * stride_c_layer + source * stride_c_blk
+                    + h * stride_c_head + offs_v * stride_c_dim)
+        kg_row = (key_gate_ptr + layer * stride_kg_layer + source * stride_kg_blk
+                  + h * stride_kg_head + offs_k * stride_kg_dim)
+        for t in tl.static_range(SPEC_LEN):
+            live = t < commit
+            live_k = live_range(offs_k, K, live)
+            raw_k = tl.load(kg_row + t * stride_kg_tok, mask=live_k, other=0.0).to(tl.float32)
+            raw_g = tl.load(kg_row + t * stride_kg_tok + K * stride_kg_dim, mask=live_k,
+                            other=0.0).to(tl.float32)
+            u = tl.load(corr_row + t * stride_c_tok, mask=live_range(offs_v, V, live), other=0.0)
+            kn = l2_normalize(raw_k, 1.0)
+            decay = tl.exp(kda_gate(raw_g, dt_bias, A, lower_bound, USE_LOWER_BOUND))
+            state = tl.where(live, state * decay[None, :] + u[:, None] * kn[None, :], state)
+            if ALIGN:
+                if boundary_ok & (t + 1 == recovery):
+                    tl.store(head_base + boundary * stride_s_blk + tile, state, mask=mask_tile)
+        if final_ok:
+            tl.store(head_base + final * stride_s_blk + tile, state, mask=mask_tile)
+
+
+@triton.jit
+def _commit_conv_kernel(
+    conv_ptr,
+    accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
+    block_table_ptr, computed_ptr,
+    num_blocks, num_rows, bt_cols, block_size, conv_dim,
+    stride_accepted, stride_request, stride_state_indices, stride_query_start,
+    stride_bt_row, stride_bt_col, stride_computed,
+    stride_layer, stride_blk, stride_dim, stride_col,
+    HISTORY: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,
+    SPEC_LEN: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr,
+):
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1)
+    layer = tl.program_id(2)
+
+    commit, final, boundary, recovery = commit_plan_row(
+        b, accepted_ptr, stride_accepted, request_ptr, stride_request,
+        state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
+        block_table_ptr, stride_bt_row, stride_bt_col, bt_cols, computed_ptr, stride_computed,
+        num_rows, block_size, SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
+    )
+    source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+    final_ok = block_is_valid(final, num_blocks)
+    boundary_ok = block_is_valid(boundary, num_blocks)
+    if (commit > 0) & block_is_valid(source, num_blocks) & (final_ok | boundary_ok):
+        offs_d = pid_d * BD + tl.arange(0, BD)
+        cols = tl.arange(0, BW)
+        in_history = cols[None, :] < HISTORY
+        mask = (offs_d[:, None] < conv_dim) & in_history
+        final_mask = live_range(offs_d, conv_dim, final_ok)[:, None] & in_history
+        rows = conv_ptr + layer * stride_layer + offs_d[:, None] * stride_dim
+        src = rows + source * stride_blk
+        # History after n tokens: columns n-1 .. n-1+HISTORY-1 of the window buffer.
+        # Both histories are loaded before either is stored (in-place safe).
+        final_hist = tl.load(src + (commit - 1 + cols[None, :]) * stride_col, mask=mask)
+        if ALIGN:
+            boundary_mask = live_range(offs_d, conv_dim, boundary_ok)[:, None] & in_history
+            boundary_hist = tl.load(src + (recovery - 1 + cols[None, :]) * stride_col,
+                                    mask=boundary_mask)
+            tl.store(rows + boundary * stride_blk + cols[None, :] * stride_col, boundary_hist,
+                     mask=boundary_mask)
+        tl.store(rows + final * stride_blk + cols[None, :] * stride_col, final_hist,
+                 mask=final_mask)
+
+
+def gate_param_strides(A_log, dt_bias, stacked, key_dim):
+    """(A layer, A head, dt layer, dt head, dt dim) strides; layer strides are 0
+    for a single layer, and a flat `[.., H*K]` dt_bias is split into (H, K)."""
+    a_layer = A_log.stride(0) if stacked else 0
+    lead = 1 if stacked else 0
+    dt_layer = dt_bias.stride(0) if stacked else 0
+    if dt_bias.dim() == lead + 2:
+        dt_head, dt_dim = dt_bias.stride(lead), dt_bias.stride(lead + 1)
+    else:
+        dt_head, dt_dim = key_dim * dt_bias.stride(lead), dt_bias.stride(lead)
+    return a_layer, A_log.stride(-1), dt_layer, dt_head, dt_dim
+
+
+def layer_strides(t, stacked):
+    return t.stride() if stacked else (0,) + t.stride()
+
+
+def plan_launch_args(num_accepted_tokens, request_indices, state_indices, query_start_loc,
+                     block_table, num_computed_tokens, block_size):
+    """Pointer and scalar arguments of `commit_plan_row`, in kernel order."""
+    align = block_table is not None
+    num_rows = num_accepted_tokens.shape[0]
+    if align:
+        num_rows = min(num_rows, block_table.shape[0])
+    # Unused optional pointers get a valid tensor; the constexpr flags keep them unread.
+    request = request_indices if request_indices is not None else state_indices
+    table = block_table if align else state_indices
+    computed = num_computed_tokens if align else state_indices
+    pointers = (num_accepted_tokens, request, state_indices, query_start_loc, table, computed)
+    scalars = (num_rows, block_table.shape[1] if align else 1, block_size if align else 1)
+    strides = (
+        num_accepted_tokens.stride(0), request.stride(0), state_indices.stride(0),
+        query_start_loc.stride(0),
+        block_table.stride(0) if align else 0, block_table.stride(1) if align else 0,
+        computed.stride(0),
+    )
+    return pointers, scalars, strides
+
+
+def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
+                  correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
+                  block_table, num_computed_tokens, block_size, dims, plan):
+    if plan.batch == 0:
+        return
+    pointers, scalars, strides = plan_launch_args(
+        num_accepted_tokens, request_indices, state_indices, query_start_loc,
+        block_table, num_computed_tokens, block_size)
+    flags = dict(SPEC_LEN=dims.spec_len, HAS_REQUEST_INDICES=request_indices is not None,
+                 ALIGN=plan.align)
+    K, V = dims.key_dim, dims.value_dim
+    BV = min(triton.next_power_of_2(V), 32)
+    grid = (triton.cdiv(V, BV), plan.batch, dims.num_layers * dims.num_heads)
+    wrap_triton(_commit_state_kernel)[grid](
+        state, correction, key_gate, A_log, dt_bias, *pointers,
+        dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides,
+        *layer_strides(state, dims.stacked), *layer_strides(correction, dims.stacked),
+        *layer_strides(key_gate, dims.stacked),
+        *gate_param_strides(A_log, dt_bias, dims.stacked, K),
+        K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, NUM_HEADS=dims.num_heads,
+        USE_LOWER_BOUND=lower_bound is not None, **flags, num_warps=4,
+    )
+    if conv_state is not None:
+        BD = min(triton.next_power_of_2(dims.conv_dim), 256)
+        grid = (triton.cdiv(dims.conv_dim, BD), plan.batch, dims.num_layers)
+        wrap_triton(_commit_conv_kernel)[grid](
+            conv_state, *pointers, dims.num_blocks, *scalars, dims.conv_dim, *strides,
+            *layer_strides(conv_state, dims.stacked),
+            HISTORY=dims.conv_history, BW=triton.next_power_of_2(dims.conv_history), BD=BD,
+            **flags, num_warps=4,
+        )

@@ -1,0 +1,87 @@
+"""Device functions shared by the kernels: the KDA gate and the commit plan."""
+
+import triton
+import triton.language as tl
+
+# State block 0 is the null block: an index <= NULL_BLOCK marks a padding row.
+NULL_BLOCK = 0
+
+
+@triton.jit
+def kda_gate(raw_g, dt_bias, A, lower_bound, USE_LOWER_BOUND: tl.constexpr):
+    """Per-channel log decay (<= 0) from the raw gate, SPEC §1."""
+    x = raw_g + dt_bias
+    if USE_LOWER_BOUND:
+        return lower_bound * tl.sigmoid(A * x)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    return -A * softplus
+
+
+@triton.jit
+def l2_normalize(x, scale):
+    return x * (tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) + 1e-6) * scale)
+
+
+@triton.jit
+def live_range(offs, size, live):
+    """`(offs < size) & live` for a scalar `live`, written as one comparison: the
+    Triton 3.9 interpreter mis-broadcasts a scalar bool and-ed with a vector."""
+    return offs < tl.where(live, size, 0)
+
+
+@triton.jit
+def block_is_valid(block, num_blocks):
+    return (block > NULL_BLOCK) & (block < num_blocks)
+
+
+@triton.jit
+def commit_plan_row(
+    b,
+    accepted_ptr, stride_accepted,
+    request_ptr, stride_request,
+    state_indices_ptr, stride_state_indices,
+    query_start_ptr, stride_query_start,
+    block_table_ptr, stride_bt_row, stride_bt_col, bt_cols,
+    computed_ptr, stride_computed,
+    num_rows, block_size,
+    SPEC_LEN: tl.constexpr,
+    HAS_REQUEST_INDICES: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """SPEC §4 for request `b`: (commit_len, final, boundary, recovery), int64.
+
+    Rows outside `[0, num_rows)` and source indices <= NULL_BLOCK give the null
+    plan. In align mode `num_computed_tokens` is clamped at 0 and block-table
+    columns at the table width, so no input can index outside the table.
+    """
+    bos = tl.load(query_start_ptr + b * stride_query_start).to(tl.int64)
+    eos = tl.load(query_start_ptr + (b + 1) * stride_query_start).to(tl.int64)
+    window = tl.maximum(eos - bos, 0)
+    if HAS_REQUEST_INDICES:
+        row = tl.load(request_ptr + b * stride_request).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
+    row_ok = (row >= 0) & (row < num_rows)
+    row = tl.where(row_ok, row, 0)
+    accepted = tl.load(accepted_ptr + row * stride_accepted, mask=row_ok, other=0).to(tl.int64)
+    commit = tl.minimum(tl.minimum(tl.maximum(accepted, 0), window), SPEC_LEN)
+    source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+    final = source
+    boundary = tl.zeros_like(source)
+    recovery = tl.zeros_like(source)
+    if ALIGN:
+        computed = tl.maximum(tl.load(computed_ptr + row * stride_computed).to(tl.int64), 0)
+        final_col = tl.minimum(tl.maximum(computed + commit - 1, 0) // block_size, bt_cols - 1)
+        final = tl.load(block_table_ptr + row * stride_bt_row + final_col * stride_bt_col).to(tl.int64)
+        next_boundary = (computed // block_size + 1) * block_size
+        recovery = next_boundary - computed
+        boundary_col = tl.minimum(next_boundary // block_size - 1, bt_cols - 1)
+        crosses = computed + commit >= next_boundary
+        boundary = tl.load(block_table_ptr + row * stride_bt_row + boundary_col * stride_bt_col,
+                           mask=crosses, other=NULL_BLOCK).to(tl.int64)
+    null = (source <= NULL_BLOCK) | (commit == 0) | (row_ok == 0)
+    commit = tl.where(null, 0, commit)
+    final = tl.where(null, NULL_BLOCK, final)
+    boundary = tl.where(null, NULL_BLOCK, boundary)
+    recovery = tl.where(null, 0, recovery)
+    return commit, final, boundary, recovery

@@ -1,0 +1,166 @@
+"""Plain float64 reference of SPEC §1-4, written for clarity, token by token.
+
+Independent of `torch_impl` and the kernels: Python loops over requests, heads
+and tokens, reading values with `.item()`. The tests and the main job compare
+every op against it. Inputs are never modified; results are new float64 tensors.
+"""
+
+import math
+
+import torch
+
+NULL_BLOCK = 0
+
+
+def gate(raw_g, dt_bias, A_log, lower_bound):
+    """Log decay per channel for one head: raw_g, dt_bias [K]; A_log scalar."""
+    x = raw_g.double() + dt_bias.double()
+    a = math.exp(float(A_log))
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * x)
+    softplus = torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+    return -a * softplus
+
+
+def normalize(x):
+    x = x.double()
+    return x / torch.sqrt((x * x).sum() + 1e-6)
+
+
+def step(S, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale):
+    """One token of one head. S [V, K] float64. Returns (new S, u, out)."""
+    kn = normalize(k)
+    S = S * torch.exp(gate(g, dt_bias, A_log, lower_bound))[None, :]
+    u = (v.double() - S @ kn) * torch.sigmoid(torch.tensor(float(beta), dtype=torch.float64))
+    S = S + u[:, None] * kn[None, :]
+    out = S @ (normalize(q) * scale)
+    return S, u, out
+
+
+def fold(S, records_u, records_kg, A_log, dt_bias, lower_bound, count):
+    """The state after the first `count` recorded tokens (commit of one head)."""
+    K = S.shape[1]
+    for t in range(count):
+        kn = normalize(records_kg[t, :K])
+        S = S * torch.exp(gate(records_kg[t, K:], dt_bias, A_log, lower_bound))[None, :]
+        S = S + records_u[t].double()[:, None] * kn[None, :]
+    return S
+
+
+def _valid(index, num_blocks):
+    return NULL_BLOCK < index < num_blocks
+
+
+def _tokens(t):
+    return t[0] if t.dim() == 4 else t
+
+
+def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
+           query_start_loc, state_indices, lower_bound=None, scale=None, out=None):
+    """Returns (out, correction, key_gate) as verify must leave them. `out`, if
+    given, supplies the values of tokens outside every window."""
+    q, k, v, g = (_tokens(t) for t in (q, k, v, g))
+    beta = beta[0] if beta.dim() == 3 else beta
+    num_tokens, H, K = q.shape
+    V = v.shape[-1]
+    T = correction.shape[2]
+    scale = K ** -0.5 if scale is None else scale
+    dt_bias = dt_bias.reshape(H, K)
+    result = (torch.full((num_tokens, H, V), float("nan"), dtype=torch.float64) if out is None
+              else _tokens(out).double().clone())
+    correction = correction.double().clone()
+    key_gate = key_gate.clone()
+    for b in range(state_indices.shape[0]):
+        bos, eos = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        block = int(state_indices[b])
+        for t in range(max(eos - bos, 0)):
+            result[bos + t] = 0.0
+        if not _valid(block, state.shape[0]):
+            continue
+        for h in range(H):
+            S = state[block, h].double()
+            for t in range(min(max(eos - bos, 0), T)):
+                n = bos + t
+                S, u, o = step(S, q[n, h], k[n, h], v[n, h], g[n, h], beta[n, h],
+                               A_log[h], dt_bias[h], lower_bound, scale)
+                result[n, h] = o
+                correction[block, h, t] = u
+                key_gate[block, h, t] = torch.cat([k[n, h], g[n, h]])
+    return result, correction, key_gate
+
+
+def commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
+                request_indices=None, block_table=None, num_computed_tokens=None,
+                block_size=None):
+    """SPEC §4 in plain Python. Returns four lists of ints."""
+    plans = []
+    for b in range(state_indices.shape[0]):
+        r = b if request_indices is None else int(request_indices[b])
+        window = max(int(query_start_loc[b + 1]) - int(query_start_loc[b]), 0)
+        rows = len(num_accepted_tokens) if block_table is None else min(
+            len(num_accepted_tokens), block_table.shape[0])
+        src = int(state_indices[b])
+        if not 0 <= r < rows:
+            plans.append((0, NULL_BLOCK, NULL_BLOCK, 0))
+            continue
+        commit = min(max(int(num_accepted_tokens[r]), 0), window, spec_len)
+        final, boundary, recovery = src, NULL_BLOCK, 0
+        if block_table is not None:
+            width = block_table.shape[1]
+            nc = max(int(num_computed_tokens[r]), 0)
+            final = int(block_table[r, min(max(nc + commit - 1, 0) // block_size, width - 1)])
+            nb = (nc // block_size + 1) * block_size
+            recovery = nb - nc
+            if nc + commit >= nb:
+                boundary = int(block_table[r, min(nb // block_size - 1, width - 1)])
+        if src <= NULL_BLOCK or commit == 0:
+            commit, final, boundary, recovery = 0, NULL_BLOCK, NULL_BLOCK, 0
+        plans.append((commit, final, boundary, recovery))
+    return [list(column) for column in zip(*plans)] if plans else [[], [], [], []]
+
+
+def commit(num_accepted_tokens, state_indices, query_start_loc, *, state, conv_state,
+           correction, key_gate, A_log, dt_bias, lower_bound=None, request_indices=None,
+           block_table=None, num_computed_tokens=None, block_size=None):
+    """Returns (state, conv_state) as commit must leave them (float64 state)."""
+    stacked = state.dim() == 5
+    states = state.double().clone() if stacked else state.double().clone()[None]
+    corr = correction if stacked else correction[None]
+    kg = key_gate if stacked else key_gate[None]
+    convs = None
+    if conv_state is not None:
+        convs = conv_state.clone() if stacked else conv_state.clone()[None]
+    A = A_log.reshape(states.shape[0], -1)
+    T = corr.shape[-2]
+    H, K = states.shape[2], states.shape[-1]
+    dt = dt_bias.reshape(states.shape[0], H, K)
+    commits, finals, boundaries, recoveries = commit_plan(
+        num_accepted_tokens, state_indices, query_start_loc, T, request_indices, block_table,
+        num_computed_tokens, block_size)
+    originals = states.clone()
+    conv_originals = None if convs is None else convs.clone()
+    N = states.shape[1]
+    for b, src in enumerate(int(s) for s in state_indices):
+        c, final, boundary, r = commits[b], finals[b], boundaries[b], recoveries[b]
+        if c == 0 or not _valid(src, N):
+            continue
+        for layer in range(states.shape[0]):
+            for h in range(H):
+                S0 = originals[layer, src, h]
+                args = (corr[layer, src, h], kg[layer, src, h], A[layer, h], dt[layer, h],
+                        lower_bound)
+                if _valid(boundary, N):
+                    states[layer, boundary, h] = fold(S0, *args, r)
+                if _valid(final, N):
+                    states[layer, final, h] = fold(S0, *args, c)
+            if convs is not None:
+                history = convs.shape[-1] - (T - 1)
+                window = conv_originals[layer, src]
+                if _valid(boundary, N):
+                    convs[layer, boundary, :, :history] = window[:, r - 1:r - 1 + history]
+                if _valid(final, N):
+                    convs[layer, final, :, :history] = window[:, c - 1:c - 1 + history]
+    if not stacked:
+        states = states[0]
+        convs = None if convs is None else convs[0]
+    return states, convs

@@ -1,0 +1,66 @@
+"""Registration of every kda_ops operator: schemas and mutation annotations.
+
+Each body validates its arguments, then routes by device: CUDA tensors (and CPU
+tensors under TRITON_INTERPRET=1, eagerly) to the Triton kernels through
+`wrap_triton`, other CPU tensors to `torch_impl`. The body doubles as the fake
+implementation, so it reads no tensor values.
+
+Custom ops take no keyword-only tensors, so the op schemas keep SPEC §6's
+argument order with every argument positional-or-keyword.
+"""
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+from torch.library import triton_op
+
+from . import torch_impl
+from ._validation import check_commit, check_lower_bound, check_plan, check_verify
+from .kernels.commit import launch_commit
+from .kernels.verify import launch_verify
+
+
+def use_triton(t: Tensor) -> bool:
+    if t.is_cuda:
+        return True
+    # The interpreter runs eagerly only: traced (fake) CPU tensors take the torch path.
+    return os.environ.get("TRITON_INTERPRET") == "1" and t.device.type == "cpu" and not is_fake(t)
+
+
+@triton_op("kda_ops::verify", mutates_args={"correction", "key_gate", "out"})
+def verify(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
+    state: Tensor, correction: Tensor, key_gate: Tensor,
+    query_start_loc: Tensor, state_indices: Tensor,
+    lower_bound: Optional[float] = None, scale: Optional[float] = None,
+    out: Optional[Tensor] = None,
+) -> None:
+    # Custom ops cannot return an alias of an input, so the op writes into a
+    # caller-provided `out`; `kda_ops.verify` allocates it when not given.
+    dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
+                        query_start_loc, state_indices, scale, out)
+    check_lower_bound(lower_bound)
+    scale = dims.key_dim ** -0.5 if scale is None else scale
+    impl = launch_verify if use_triton(q) else torch_impl.verify
+    impl(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
+         query_start_loc, state_indices, lower_bound, scale, out, dims)
+
+
+@triton_op("kda_ops::commit", mutates_args={"state", "conv_state"})
+def commit(
+    num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: Tensor,
+    state: Tensor, conv_state: Optional[Tensor], correction: Tensor, key_gate: Tensor,
+    A_log: Tensor, dt_bias: Tensor, lower_bound: Optional[float] = None,
+    request_indices: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
+    num_computed_tokens: Optional[Tensor] = None, block_size: Optional[int] = None,
+) -> None:
+    dims, plan = check_commit(num_accepted_tokens, state_indices, query_start_loc, state,
+                              conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
+                              request_indices, block_table, num_computed_tokens, block_size)
+    impl = launch_commit if use_triton(state) else torch_impl.commit
+    impl(num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
+         key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
+         num_computed_tokens, block_size, dims, plan)

@@ -1,0 +1,193 @@
+"""The same semantics as the Triton kernels, in vectorised PyTorch.
+
+Used for CPU tensors. Tensor ops only: no host reads and no Python decisions on
+tensor values, so it traces with fake tensors and compiles with Inductor. Rows
+that must stay untouched are written back with their old values (bit-identical).
+"""
+
+import torch
+import torch.nn.functional as F
+
+NULL_BLOCK = 0
+
+
+def kda_gate(raw_g, dt_bias, A_log, lower_bound):
+    x = raw_g.float() + dt_bias.float()
+    a = torch.exp(A_log.float())
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * x)
+    return -a * F.softplus(x, threshold=20.0)
+
+
+def l2_normalize(x, scale=1.0):
+    return x * (torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) * scale)
+
+
+def _valid_block(index, num_blocks):
+    return (index > NULL_BLOCK) & (index < num_blocks)
+
+
+def _tokens(t):
+    """`[(1,) tokens, H, D]` -> `[tokens, H, D]` view."""
+    return t[0] if t.dim() == 4 else t
+
+
+def _pad_token(t):
+    """Appends one zero token so that masked-off gathers have a safe target."""
+    return torch.cat([t, t.new_zeros((1,) + tuple(t.shape[1:]))])
+
+
+def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
+           query_start_loc, state_indices, lower_bound, scale, out, dims):
+    batch, spec_len = dims.batch, dims.spec_len
+    if batch == 0:
+        return
+    q, k, v, g, out = (_tokens(t) for t in (q, k, v, g, out))
+    beta = beta[0] if beta.dim() == 3 else beta
+    num_tokens = q.shape[0]
+    dt_bias = dt_bias.reshape(dims.num_heads, dims.key_dim)
+
+    starts = query_start_loc[:-1].long()
+    window = (query_start_loc[1:].long() - starts).clamp(min=0)
+    block = state_indices.long()
+    valid = _valid_block(block, dims.num_blocks)
+    safe_block = torch.where(valid, block, 0)
+    positions = torch.arange(spec_len, device=q.device)
+    live = valid[:, None] & (positions[None, :] < window[:, None])            # [B, T]
+    token = torch.where(live, starts[:, None] + positions[None, :], num_tokens)
+
+    def gather(x):
+        return _pad_token(x)[token]                                           # [B, T, H, D]
+
+    raw_k, raw_g = gather(k), gather(g)
+    kn = l2_normalize(raw_k.float())
+    qn = l2_normalize(gather(q).float(), scale)
+    decay = torch.exp(kda_gate(raw_g, dt_bias, A_log[:, None], lower_bound))
+    values = gather(v).float()
+    gain = torch.sigmoid(_pad_token(beta)[token].float())                     # [B, T, H]
+
+    S = state[safe_block].float()                                             # [B, H, V, K]
+    corrections, outputs = [], []
+    for t in range(spec_len):
+        decayed = S * decay[:, t, :, None, :]
+        u = (values[:, t] - torch.einsum("bhvk,bhk->bhv", decayed, kn[:, t])) * gain[:, t, :, None]
+        updated = decayed + u[..., None] * kn[:, t, :, None, :]
+        S = torch.where(live[:, t, None, None, None], updated, S)
+        corrections.append(u)
+        outputs.append(torch.einsum("bhvk,bhk->bhv", S, qn[:, t]))
+
+    record_live = live[:, None, :, None]                                      # [B, 1, T, 1]
+    new_correction = torch.stack(corrections, dim=2)                          # [B, H, T, V]
+    correction[safe_block] = torch.where(record_live, new_correction, correction[safe_block])
+    new_key_gate = torch.cat([raw_k, raw_g], dim=-1).transpose(1, 2)          # [B, H, T, 2K]
+    key_gate[safe_block] = torch.where(record_live, new_key_gate, key_gate[safe_block])
+
+    # Each packed token takes the output of its (request, position); tokens past
+    # the record capacity and tokens of null rows get zeros; tokens outside every
+    # window keep what `out` held.
+    result = torch.stack(outputs, dim=1)                                      # [B, T, H, V]
+    n = torch.arange(num_tokens, device=q.device)
+    request = torch.searchsorted(query_start_loc[1:].long().contiguous(), n, right=True)
+    in_window = (n >= query_start_loc[0].long()) & (request < batch)
+    request = request.clamp(max=batch - 1)
+    position = n - starts[request]
+    keep = live[request, position.clamp(min=0, max=spec_len - 1)] & (position < spec_len)
+    per_token = torch.where(keep[:, None, None], result[request, position.clamp(0, spec_len - 1)], 0.0)
+    out.copy_(torch.where(in_window[:, None, None], per_token.to(out.dtype), out))
+
+
+def commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
+                request_indices, block_table, num_computed_tokens, block_size):
+    """SPEC §4, int64 tensors [B] each; see `kernels.common.commit_plan_row`."""
+    window = (query_start_loc[1:].long() - query_start_loc[:-1].long()).clamp(min=0)
+    batch = state_indices.shape[0]
+    row = (request_indices.long() if request_indices is not None
+           else torch.arange(batch, device=state_indices.device))
+    num_rows = num_accepted_tokens.shape[0]
+    if block_table is not None:
+        num_rows = min(num_rows, block_table.shape[0])
+    row_ok = (row >= 0) & (row < num_rows)
+    row = torch.where(row_ok, row, 0)
+    accepted = num_accepted_tokens.long()[row] if num_rows > 0 else torch.zeros_like(row)
+    commit = accepted.clamp(min=0).minimum(window).clamp(max=spec_len)
+    source = state_indices.long()
+    final = source
+    boundary = torch.zeros_like(source)
+    recovery = torch.zeros_like(source)
+    if block_table is not None:
+        table = block_table.long()[row] if num_rows > 0 else source.new_zeros(batch, block_table.shape[1])
+        last_col = block_table.shape[1] - 1
+        computed = num_computed_tokens.long()[row].clamp(min=0) if num_rows > 0 else torch.zeros_like(row)
+        final_col = ((computed + commit - 1).clamp(min=0) // block_size).clamp(max=last_col)
+        final = table.gather(1, final_col[:, None])[:, 0]
+        next_boundary = (computed // block_size + 1) * block_size
+        recovery = next_boundary - computed
+        boundary_col = (next_boundary // block_size - 1).clamp(max=last_col)
+        crosses = computed + commit >= next_boundary
+        boundary = torch.where(crosses, table.gather(1, boundary_col[:, None])[:, 0], NULL_BLOCK)
+    null = (source <= NULL_BLOCK) | (commit == 0) | ~row_ok
+    zero = torch.zeros_like(source)
+    return (torch.where(null, zero, commit), torch.where(null, zero, final),
+            torch.where(null, zero, boundary), torch.where(null, zero, recovery))
+
+
+def _layered(t, stacked):
+    return t if stacked else t.unsqueeze(0)
+
+
+def _write_rows(buffer, rows, ok, values):
+    """buffer[:, rows] = values where ok, else unchanged (rows clamped to 0 when not ok)."""
+    safe = torch.where(ok, rows, 0)
+    mask = ok.view((1, -1) + (1,) * (values.dim() - 2))
+    buffer[:, safe] = torch.where(mask, values.to(buffer.dtype), buffer[:, safe])
+
+
+def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
+           correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
+           block_table, num_computed_tokens, block_size, dims, plan):
+    if plan.batch == 0:
+        return
+    commit_len, final, boundary, recovery = commit_plan(
+        num_accepted_tokens, state_indices, query_start_loc, dims.spec_len,
+        request_indices, block_table, num_computed_tokens, block_size)
+    L, H, K = dims.num_layers, dims.num_heads, dims.key_dim
+    source = state_indices.long()
+    source_ok = _valid_block(source, dims.num_blocks) & (commit_len > 0)
+    final_ok = source_ok & _valid_block(final, dims.num_blocks)
+    boundary_ok = source_ok & _valid_block(boundary, dims.num_blocks)
+    safe_source = torch.where(source_ok, source, 0)
+
+    state5 = _layered(state, dims.stacked)
+    corr = _layered(correction, dims.stacked)[:, safe_source]                 # [L, B, H, T, V]
+    key_gate_rows = _layered(key_gate, dims.stacked)[:, safe_source]          # [L, B, H, T, 2K]
+    kn = l2_normalize(key_gate_rows[..., :K].float())
+    dt = dt_bias.reshape(L, 1, H, 1, K)
+    A = A_log.reshape(L, 1, H, 1, 1)
+    decay = torch.exp(kda_gate(key_gate_rows[..., K:], dt, A, lower_bound))  # [L, B, H, T, K]
+
+    S = state5[:, safe_source].float()                                        # [L, B, H, V, K]
+    at_boundary = S
+    for t in range(dims.spec_len):
+        step = S * decay[:, :, :, t, None, :] + corr[:, :, :, t, :, None] * kn[:, :, :, t, None, :]
+        S = torch.where((t < commit_len).view(1, -1, 1, 1, 1), step, S)
+        at_boundary = torch.where((t + 1 == recovery).view(1, -1, 1, 1, 1), S, at_boundary)
+    # Boundary first, then final, as the kernel stores them.
+    if plan.align:
+        _write_rows(state5, boundary, boundary_ok, at_boundary)
+    _write_rows(state5, final, final_ok, S)
+
+    if conv_state is not None:
+        conv = _layered(conv_state, dims.stacked)                             # [L, N, D, W-1+T-1]
+        history = torch.arange(dims.conv_history, device=conv.device)
+        rows = conv[:, safe_source]                                           # [L, B, D, cols]
+
+        def history_after(n):
+            cols = (n.clamp(min=1) - 1)[:, None] + history[None, :]           # [B, W-1]
+            index = cols.view(1, -1, 1, dims.conv_history).expand(L, -1, dims.conv_dim, -1)
+            return rows.gather(3, index)
+
+        final_history = history_after(commit_len)
+        if plan.align:
+            boundary_history = history_after(recovery)
+            _write_rows(conv[..., :dims.conv_history], boundary, boundary_ok, boundary_history)
+        _write_rows(conv[..., :dims.conv_history], final, final_ok, final_history)
