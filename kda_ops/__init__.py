@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import ops as _ops
 
-__all__ = ["verify", "commit", "NULL_BLOCK"]
+__all__ = ["verify", "commit", "commit_plan", "NULL_BLOCK"]
 
 NULL_BLOCK = 0
 
@@ -51,3 +51,15 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
                 dt_bias=dt_bias, lower_bound=lower_bound, request_indices=request_indices,
                 block_table=block_table, num_computed_tokens=num_computed_tokens,
                 block_size=block_size)
+
+
+def commit_plan(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: Tensor, *,
+                spec_len: int, request_indices: Optional[Tensor] = None,
+                block_table: Optional[Tensor] = None,
+                num_computed_tokens: Optional[Tensor] = None,
+                block_size: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per request: (commit_lens, final_state_indices, boundary_state_indices,
+    boundary_recovery_lens), int32 `[B]` each, by the formula of SPEC §4. This is
+    what `commit` computes inline; it is exposed for engines and tests."""
+    return _ops.commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
+                            request_indices, block_table, num_computed_tokens, block_size)

@@ -19,7 +19,7 @@ from torch.library import triton_op
 
 from . import torch_impl
 from ._validation import check_commit, check_lower_bound, check_plan, check_verify
-from .kernels.commit import launch_commit
+from .kernels.commit import launch_commit, launch_commit_plan
 from .kernels.verify import launch_verify
 
 
@@ -64,3 +64,22 @@ def commit(
     impl(num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
          key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
          num_computed_tokens, block_size, dims, plan)
+
+
+@triton_op("kda_ops::commit_plan", mutates_args=())
+def commit_plan(
+    num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: Tensor,
+    spec_len: int, request_indices: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None, num_computed_tokens: Optional[Tensor] = None,
+    block_size: Optional[int] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len, request_indices,
+               block_table, num_computed_tokens, block_size, state_indices.device)
+    if use_triton(state_indices):
+        outputs = tuple(torch.empty_like(state_indices, dtype=torch.int32) for _ in range(4))
+        launch_commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
+                           request_indices, block_table, num_computed_tokens, block_size, outputs)
+        return outputs
+    plan = torch_impl.commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
+                                  request_indices, block_table, num_computed_tokens, block_size)
+    return tuple(column.to(torch.int32) for column in plan)

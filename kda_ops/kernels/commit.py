@@ -194,3 +194,40 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
             HISTORY=dims.conv_history, BW=triton.next_power_of_2(dims.conv_history), BD=BD,
             **flags, num_warps=4,
         )
+
+
+@triton.jit
+def _commit_plan_kernel(
+    accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, block_table_ptr, computed_ptr,
+    commit_out_ptr, final_out_ptr, boundary_out_ptr, recovery_out_ptr,
+    num_rows, bt_cols, block_size,
+    stride_accepted, stride_request, stride_state_indices, stride_query_start,
+    stride_bt_row, stride_bt_col, stride_computed,
+    SPEC_LEN: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr,
+):
+    b = tl.program_id(0)
+    commit, final, boundary, recovery = commit_plan_row(
+        b, accepted_ptr, stride_accepted, request_ptr, stride_request,
+        state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
+        block_table_ptr, stride_bt_row, stride_bt_col, bt_cols, computed_ptr, stride_computed,
+        num_rows, block_size, SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
+    )
+    tl.store(commit_out_ptr + b, commit.to(tl.int32))
+    tl.store(final_out_ptr + b, final.to(tl.int32))
+    tl.store(boundary_out_ptr + b, boundary.to(tl.int32))
+    tl.store(recovery_out_ptr + b, recovery.to(tl.int32))
+
+
+def launch_commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
+                       request_indices, block_table, num_computed_tokens, block_size, outputs):
+    batch = state_indices.shape[0]
+    if batch == 0:
+        return
+    pointers, scalars, strides = plan_launch_args(
+        num_accepted_tokens, request_indices, state_indices, query_start_loc,
+        block_table, num_computed_tokens, block_size)
+    wrap_triton(_commit_plan_kernel)[(batch,)](
+        *pointers, *outputs, *scalars, *strides,
+        SPEC_LEN=spec_len, HAS_REQUEST_INDICES=request_indices is not None,
+        ALIGN=block_table is not None, num_warps=1,
+    )
