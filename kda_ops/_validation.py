@@ -87,7 +87,7 @@ class VerifyDims:
 
 
 def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                 query_start_loc, state_indices, scale, out) -> VerifyDims:
+                 query_start_loc, state_indices, out) -> VerifyDims:
     check_tensor("q", q, dtypes=ACTIVATION_DTYPES)
     device = q.device
     num_tokens, num_heads, key_dim = _token_view("q", q, 3)
@@ -117,8 +117,6 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     check_tensor("key_gate", key_gate, shape=(num_blocks, num_heads, spec_len, 2 * key_dim),
                  dtypes=(k.dtype,), device=device)
     batch = _request_metadata(query_start_loc, state_indices, device)
-    if scale is not None and not isinstance(scale, (int, float)):
-        _fail("scale", f"must be a float or None, got {type(scale).__name__}")
     if out is None:
         _fail("out", "is required by torch.ops.kda_ops.verify (kda_ops.verify allocates it)")
     check_tensor("out", out, shape=_shape(v), dtypes=(v.dtype,), device=device)
@@ -142,7 +140,7 @@ def check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
     batch = _request_metadata(query_start_loc, state_indices, device)
     check_tensor("num_accepted_tokens", num_accepted_tokens, ndim=1, dtypes=INDEX_DTYPES,
                  device=device)
-    if not isinstance(spec_len, int) or spec_len < 1:
+    if not isinstance(spec_len, (int, torch.SymInt)) or spec_len < 1:
         _fail("spec_len", f"must be a positive int, got {spec_len!r}")
     if request_indices is not None:
         check_tensor("request_indices", request_indices, shape=(batch,), dtypes=INDEX_DTYPES,
@@ -216,3 +214,94 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
     dims = CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, spec_len,
                       conv_dim, conv_history)
     return dims, plan
+
+
+CONV_ACTIVATIONS = ("silu", None)
+
+
+@dataclass(frozen=True)
+class ConvDims:
+    num_tokens: int
+    dim: int
+    width: int
+    spec_len: int
+    num_blocks: int
+    batch: int
+
+
+def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
+                      out) -> ConvDims:
+    check_tensor("x", x, ndim=2, dtypes=ACTIVATION_DTYPES)
+    device = x.device
+    num_tokens, dim = x.shape
+    check_tensor("conv_state", conv_state, shape=(None, dim, None), dtypes=ACTIVATION_DTYPES,
+                 device=device)
+    check_tensor("weight", weight, shape=(dim, None), dtypes=ACTIVATION_DTYPES, device=device)
+    width = weight.shape[1]
+    # The history keeps W-1 >= 1 columns, from which commit drops the oldest.
+    if width < 2:
+        _fail("weight", f"must have shape ({dim}, W) with W >= 2, got {_shape(weight)}")
+    spec_len = conv_state.shape[2] - (width - 1) + 1
+    if spec_len < 1:
+        _fail("conv_state", f"must have W-1+T-1 >= {width - 1} columns for W={width} "
+              f"(viewed [N, D, W-1+T-1]), got shape {_shape(conv_state)}")
+    if bias is not None:
+        check_tensor("bias", bias, shape=(dim,), dtypes=ACTIVATION_DTYPES, device=device)
+    if activation not in CONV_ACTIVATIONS:
+        _fail("activation", f"must be one of {list(CONV_ACTIVATIONS)}, got {activation!r}")
+    batch = _request_metadata(query_start_loc, state_indices, device)
+    if out is None:
+        _fail("out", "is required by torch.ops.kda_ops.conv_update "
+              "(kda_ops.conv_update allocates it)")
+    check_tensor("out", out, shape=_shape(x), dtypes=ACTIVATION_DTYPES, device=device)
+    return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch)
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < 1:
+        _fail(name, f"must be a positive int, got {value!r}")
+
+
+def check_aligned_state_indices(block_table, seq_lens, block_size, num_state_slots):
+    check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES)
+    check_tensor("seq_lens", seq_lens, shape=(block_table.shape[0],), dtypes=INDEX_DTYPES,
+                 device=block_table.device)
+    _positive_int("block_size", block_size)
+    _positive_int("num_state_slots", num_state_slots)
+
+
+def check_stage_spec_decode_metadata(state_indices, query_start_loc, num_accepted_tokens,
+                                     staged_state_indices, staged_query_start_loc,
+                                     staged_num_accepted_tokens, num_spec_decodes) -> int:
+    """Returns how many rows can be real: min(source rows, staged rows)."""
+    check_tensor("state_indices", state_indices, ndim=(1, 2), dtypes=INDEX_DTYPES)
+    device = state_indices.device
+    source_rows = state_indices.shape[0]
+    check_tensor("query_start_loc", query_start_loc, shape=(source_rows + 1,),
+                 dtypes=INDEX_DTYPES, device=device)
+    check_tensor("num_accepted_tokens", num_accepted_tokens, ndim=1, dtypes=INDEX_DTYPES,
+                 device=device)
+    if num_accepted_tokens.shape[0] < source_rows:
+        _fail("num_accepted_tokens", f"must have at least {source_rows} entries (one per row "
+              f"of state_indices), got shape {_shape(num_accepted_tokens)}")
+    slots = tuple(state_indices.shape[1:])
+    check_tensor("staged_state_indices", staged_state_indices, shape=(None,) + slots,
+                 dtypes=INDEX_DTYPES, device=device)
+    batch = staged_state_indices.shape[0]
+    check_tensor("staged_query_start_loc", staged_query_start_loc, shape=(batch + 1,),
+                 dtypes=INDEX_DTYPES, device=device)
+    check_tensor("staged_num_accepted_tokens", staged_num_accepted_tokens, shape=(batch,),
+                 dtypes=INDEX_DTYPES, device=device)
+    count_limit = min(source_rows, batch)
+    if isinstance(num_spec_decodes, torch.Tensor):
+        check_tensor("num_spec_decodes", num_spec_decodes, dtypes=INDEX_DTYPES, device=device)
+        if num_spec_decodes.numel() != 1:
+            _fail("num_spec_decodes", f"must hold one element, got shape "
+                  f"{_shape(num_spec_decodes)}")
+    elif (isinstance(num_spec_decodes, bool)
+          or not isinstance(num_spec_decodes, (int, torch.SymInt))
+          or not 0 <= num_spec_decodes <= count_limit):
+        _fail("num_spec_decodes", f"must be an int in [0, {count_limit}] (at most the rows of "
+              f"state_indices and of staged_state_indices) or a one-element tensor, "
+              f"got {num_spec_decodes!r}")
+    return count_limit

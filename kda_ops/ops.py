@@ -19,7 +19,11 @@ from torch.library import triton_op
 
 from . import torch_impl
 from ._validation import check_commit, check_lower_bound, check_plan, check_verify
+from ._validation import check_conv_update
 from .kernels.commit import launch_commit, launch_commit_plan
+from .kernels.conv import launch_conv_update
+from ._validation import check_aligned_state_indices, check_stage_spec_decode_metadata
+from .kernels.metadata import launch_aligned_state_indices, launch_stage_spec_decode_metadata
 from .kernels.verify import launch_verify
 
 
@@ -41,7 +45,7 @@ def verify(
     # Custom ops cannot return an alias of an input, so the op writes into a
     # caller-provided `out`; `kda_ops.verify` allocates it when not given.
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                        query_start_loc, state_indices, scale, out)
+                        query_start_loc, state_indices, out)
     check_lower_bound(lower_bound)
     scale = dims.key_dim ** -0.5 if scale is None else scale
     impl = launch_verify if use_triton(q) else torch_impl.verify
@@ -83,3 +87,65 @@ def commit_plan(
     plan = torch_impl.commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                                   request_indices, block_table, num_computed_tokens, block_size)
     return tuple(column.to(torch.int32) for column in plan)
+
+
+@triton_op("kda_ops::conv_update", mutates_args={"conv_state", "out"})
+def conv_update(
+    x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
+    query_start_loc: Tensor, state_indices: Tensor,
+    activation: Optional[str] = "silu", out: Optional[Tensor] = None,
+) -> None:
+    # Writes into a caller-provided `out`, as verify does; `kda_ops.conv_update`
+    # allocates it when not given.
+    dims = check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
+                             activation, out)
+    impl = launch_conv_update if use_triton(x) else torch_impl.conv_update
+    impl(x, conv_state, weight, bias, query_start_loc, state_indices, activation, out, dims)
+
+
+@triton_op("kda_ops::aligned_state_indices", mutates_args=())
+def aligned_state_indices(
+    block_table: Tensor, seq_lens: Tensor, block_size: int, num_state_slots: int,
+) -> Tensor:
+    check_aligned_state_indices(block_table, seq_lens, block_size, num_state_slots)
+    if use_triton(block_table):
+        out = block_table.new_empty((block_table.shape[0], num_state_slots))
+        launch_aligned_state_indices(block_table, seq_lens, block_size, out)
+        return out
+    return torch_impl.aligned_state_indices(block_table, seq_lens, block_size, num_state_slots)
+
+
+STAGED_BUFFERS = {"staged_state_indices", "staged_query_start_loc", "staged_num_accepted_tokens"}
+
+
+def _stage(state_indices, query_start_loc, num_accepted_tokens, staged_state_indices,
+           staged_query_start_loc, staged_num_accepted_tokens, num_spec_decodes):
+    args = (state_indices, query_start_loc, num_accepted_tokens, staged_state_indices,
+            staged_query_start_loc, staged_num_accepted_tokens, num_spec_decodes)
+    count_limit = check_stage_spec_decode_metadata(*args)
+    impl = (launch_stage_spec_decode_metadata if use_triton(state_indices)
+            else torch_impl.stage_spec_decode_metadata)
+    impl(*args, count_limit)
+
+
+# Two schemas, one per type of the count: an int is baked into the traced graph
+# (and into a captured CUDA graph), a one-element tensor is read on the device,
+# so one captured graph serves every count.
+@triton_op("kda_ops::stage_spec_decode_metadata", mutates_args=STAGED_BUFFERS)
+def stage_spec_decode_metadata(
+    state_indices: Tensor, query_start_loc: Tensor, num_accepted_tokens: Tensor,
+    staged_state_indices: Tensor, staged_query_start_loc: Tensor,
+    staged_num_accepted_tokens: Tensor, num_spec_decodes: int,
+) -> None:
+    _stage(state_indices, query_start_loc, num_accepted_tokens, staged_state_indices,
+           staged_query_start_loc, staged_num_accepted_tokens, num_spec_decodes)
+
+
+@triton_op("kda_ops::stage_spec_decode_metadata_tensor_count", mutates_args=STAGED_BUFFERS)
+def stage_spec_decode_metadata_tensor_count(
+    state_indices: Tensor, query_start_loc: Tensor, num_accepted_tokens: Tensor,
+    staged_state_indices: Tensor, staged_query_start_loc: Tensor,
+    staged_num_accepted_tokens: Tensor, num_spec_decodes: Tensor,
+) -> None:
+    _stage(state_indices, query_start_loc, num_accepted_tokens, staged_state_indices,
+           staged_query_start_loc, staged_num_accepted_tokens, num_spec_decodes)

@@ -1,0 +1,207 @@
+"""kda_ops.verify against the float64 oracle."""
+
+import pytest
+import torch
+
+import kda_ops
+from kda_ops import naive
+
+from helpers import DEVICES, INTERPRET, assert_rel_close, guarded, outside, query_start_loc
+
+ACT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_problem(device, *, dtype=torch.float32, state_dtype=torch.float32, H=2, K=16, V=8,
+                 T=4, N=7, lens=(1, 3, 4, 2, 0, 6, 2, 1), indices=(1, 2, 0, 3, 4, 5, -2, 9),
+                 prefix=2, suffix=3, leading_one=False, flat_dt_bias=False, seed=0):
+    """A verify problem. Tokens [0, prefix) and the last `suffix` lie outside every
+    window; `indices` mixes valid blocks, the null block, a negative and an
+    out-of-range index; `lens` covers every L in 1..T, L = 0 and L > T."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    starts = query_start_loc(lens, "cpu") + prefix
+    num_tokens = int(starts[-1]) + suffix
+    lead = (1,) if leading_one else ()
+    q, k, g = (rand(*lead, num_tokens, H, K).to(dtype).to(device) for _ in range(3))
+    v = rand(*lead, num_tokens, H, V).to(dtype).to(device)
+    beta = rand(*lead, num_tokens, H).to(dtype).to(device)
+    A_log = (rand(H) * 0.5).to(device)
+    dt_bias = rand(H * K if flat_dt_bias else H, *(() if flat_dt_bias else (K,))).to(device)
+    state, state_buf = guarded((N, H, V, K), state_dtype, device, gen)
+    correction, corr_buf = guarded((N, H, T, V), torch.float32, device, gen)
+    key_gate, kg_buf = guarded((N, H, T, 2 * K), dtype, device, gen)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, state=state,
+                correction=correction, key_gate=key_gate,
+                query_start_loc=starts.to(device),
+                state_indices=torch.tensor(indices, dtype=torch.int32, device=device))
+    buffers = dict(state=state_buf, correction=corr_buf, key_gate=kg_buf)
+    return args, buffers
+
+
+def call_verify(args, **kwargs):
+    a = args
+    return kda_ops.verify(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"],
+                          a["state"], a["correction"], a["key_gate"], a["query_start_loc"],
+                          a["state_indices"], **kwargs)
+
+
+def check_against_oracle(args, buffers, out_before, **kwargs):
+    before = {name: buf.clone() for name, buf in buffers.items()}
+    corr_before = args["correction"].clone().cpu()
+    expected_out, expected_corr, expected_kg = naive.verify(
+        *(args[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state",
+                            "correction", "key_gate", "query_start_loc", "state_indices")),
+        out=out_before, **{k: v for k, v in kwargs.items() if k != "out"})
+    result = call_verify(args, **kwargs)
+    assert result.shape == args["v"].shape
+    out = result.reshape(expected_out.shape)
+
+    assert torch.equal(buffers["state"], before["state"]), "verify modified the checkpoint"
+    for name in ("correction", "key_gate"):
+        view, buf = args[name], buffers[name]
+        assert torch.equal(outside(view, buf), outside(view, before[name])), f"{name} guard written"
+    written = ~torch.isnan(expected_out)
+    assert not torch.isnan(out.double().cpu()[written]).any()
+    assert_rel_close(out.cpu()[written], expected_out[written].to(out.dtype), name="out")
+    if out_before is not None:  # tokens outside every window keep their bits
+        untouched = ~(expected_out != out_before.double().reshape(expected_out.shape)).any(-1).any(-1)
+        outside_tokens = torch.ones(expected_out.shape[0], dtype=torch.bool)
+        starts = args["query_start_loc"].cpu()
+        outside_tokens[int(starts[0]):int(starts[-1])] = False
+        assert torch.equal(out[outside_tokens].cpu(),
+                           out_before.reshape(expected_out.shape)[outside_tokens].cpu())
+        assert untouched[outside_tokens].all()
+    corr = args["correction"].cpu()
+    recorded = expected_corr != corr_before.double()
+    assert torch.equal(corr[~recorded], corr_before[~recorded])
+    assert_rel_close(corr[recorded], expected_corr[recorded].float(), name="correction")
+    assert torch.equal(args["key_gate"].cpu(), expected_kg.cpu()), "key/gate records must be exact"
+    return result
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ACT_DTYPES)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_verify_matches_oracle(device, dtype, state_dtype):
+    args, buffers = make_problem(device, dtype=dtype, state_dtype=state_dtype, seed=1)
+    out_before = torch.randn(args["v"].shape).to(dtype).to(device)
+    check_against_oracle(args, buffers, out_before, out=out_before.clone())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("scale", [None, 0.37])
+def test_verify_gate_and_scale(device, lower_bound, scale):
+    args, buffers = make_problem(device, seed=2)
+    check_against_oracle(args, buffers, None, lower_bound=lower_bound, scale=scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_layouts(device):
+    """Leading dim of 1, flat dt_bias, non-power-of-two head dims, T = 1."""
+    args, buffers = make_problem(device, leading_one=True, flat_dt_bias=True, K=12, V=10, seed=3)
+    check_against_oracle(args, buffers, None)
+    args, buffers = make_problem(device, T=1, lens=(1, 1, 0, 2), indices=(1, 0, 2, 3), seed=4)
+    check_against_oracle(args, buffers, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_strided_tokens(device):
+    """q/k/v/g as column slices of one fused projection (token stride != H*K)."""
+    args, buffers = make_problem(device, seed=5)
+    num_tokens, H, K = args["q"].shape
+    V = args["v"].shape[-1]
+    fused = torch.randn(num_tokens, H, 3 * K + V, device=device)
+    args.update(q=fused[..., :K], k=fused[..., K:2 * K], g=fused[..., 2 * K:3 * K],
+                v=fused[..., 3 * K:])
+    check_against_oracle(args, buffers, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_empty_batch(device):
+    args, buffers = make_problem(device, lens=(), indices=(), prefix=0, suffix=2)
+    out_before = torch.randn(args["v"].shape, device=device)
+    out = call_verify(args, out=out_before.clone())
+    assert torch.equal(out, out_before)
+
+
+@pytest.mark.skipif(INTERPRET, reason="opcheck traces the op; the interpreter runs eagerly only")
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_opcheck(device):
+    args, _ = make_problem(device, seed=6)
+    a = args
+    out = torch.empty_like(a["v"])
+    torch.library.opcheck(
+        torch.ops.kda_ops.verify.default,
+        (a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"],
+         a["correction"], a["key_gate"], a["query_start_loc"], a["state_indices"]),
+        {"lower_bound": -5.0, "scale": 0.25, "out": out})
+
+
+BAD_VERIFY_INPUTS = [
+    ("q ndim", lambda a: a.update(q=a["q"][0]), "q"),
+    ("q leading", lambda a: a.update(q=a["q"][None].expand(2, -1, -1, -1)), "q"),
+    ("k dtype", lambda a: a.update(k=a["k"].double()), "k"),
+    ("g shape", lambda a: a.update(g=a["g"][:-1]), "g"),
+    ("v tokens", lambda a: a.update(v=a["v"][:-1]), "v"),
+    ("beta", lambda a: a.update(beta=a["beta"][:, :1]), "beta"),
+    ("A_log", lambda a: a.update(A_log=a["A_log"][:1]), "A_log"),
+    ("dt_bias", lambda a: a.update(dt_bias=a["dt_bias"][:, :-1]), "dt_bias"),
+    ("state heads", lambda a: a.update(state=a["state"][:, :1]), "state"),
+    ("state dtype", lambda a: a.update(state=a["state"].half()), "state"),
+    ("correction dtype", lambda a: a.update(correction=a["correction"].double()), "correction"),
+    ("correction blocks", lambda a: a.update(correction=a["correction"][:-1]), "correction"),
+    ("key_gate T", lambda a: a.update(key_gate=a["key_gate"][:, :, :-1]), "key_gate"),
+    ("key_gate dtype", lambda a: a.update(key_gate=a["key_gate"].half()), "key_gate"),
+    ("query_start_loc", lambda a: a.update(query_start_loc=a["query_start_loc"][:-1]),
+     "query_start_loc"),
+    ("query_start_loc dtype", lambda a: a.update(query_start_loc=a["query_start_loc"].float()),
+     "query_start_loc"),
+    ("state_indices 2-D", lambda a: a.update(state_indices=a["state_indices"][:, None]),
+     "state_indices"),
+]
+
+
+@pytest.mark.parametrize("case,mutate,name", BAD_VERIFY_INPUTS, ids=[c[0] for c in BAD_VERIFY_INPUTS])
+def test_verify_rejects_bad_input(case, mutate, name):
+    args, buffers = make_problem("cpu", seed=7)
+    mutate(args)
+    snapshot = {n: b.clone() for n, b in buffers.items()}
+    out = torch.randn(args["v"].shape).to(args["v"].dtype)
+    out_before = out.clone()
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        call_verify(args, out=out)
+    for n, b in buffers.items():
+        assert torch.equal(b, snapshot[n]), f"{n} written before validation failed"
+    assert torch.equal(out, out_before)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(out=torch.empty(3, 2, 8)), "out"),
+    (dict(lower_bound=2.0), "lower_bound"),
+])
+def test_verify_rejects_bad_options(kwargs, name):
+    args, buffers = make_problem("cpu", seed=8)
+    snapshot = {n: b.clone() for n, b in buffers.items()}
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        call_verify(args, **kwargs)
+    for n, b in buffers.items():
+        assert torch.equal(b, snapshot[n])
+
+
+def test_verify_op_requires_out():
+    args, _ = make_problem("cpu", seed=9)
+    a = args
+    with pytest.raises(ValueError, match="`out`"):
+        torch.ops.kda_ops.verify(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"],
+                                 a["dt_bias"], a["state"], a["correction"], a["key_gate"],
+                                 a["query_start_loc"], a["state_indices"])
+
+
+def test_verify_rejects_mixed_devices():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU to mix devices")
+    args, _ = make_problem("cpu", seed=10)
+    args["state_indices"] = args["state_indices"].cuda()
+    with pytest.raises(ValueError, match="`state_indices`"):
+        call_verify(args)
