@@ -11,8 +11,9 @@ import torch
 from torch import Tensor
 
 from . import ops as _ops
+from ._validation import check_int_or_tensor
 
-__all__ = ["verify", "commit", "commit_plan", "NULL_BLOCK"]
+__all__ = ["verify", "commit", "commit_plan", "conv_update", "NULL_BLOCK"]
 
 NULL_BLOCK = 0
 
@@ -63,3 +64,73 @@ def commit_plan(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_
     what `commit` computes inline; it is exposed for engines and tests."""
     return _ops.commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                             request_indices, block_table, num_computed_tokens, block_size)
+
+
+def conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
+                query_start_loc: Tensor, state_indices: Tensor, *,
+                activation: Optional[str] = "silu", out: Optional[Tensor] = None) -> Tensor:
+    """Causal depthwise convolution over each request's window (SPEC §2) and
+    returns the outputs (like `x`, or written into `out`).
+
+    `conv_state [N, D, W-1+T-1]` (any strides) holds the history in columns
+    0..W-2 of block `state_indices[b]`; the window's first min(L, T) tokens are
+    convolved, and `[h_1..h_{W-2}, x_0..x_{min(L,T)-1}]` is written into columns
+    0..W-3+min(L, T); later columns are untouched (and all of them when L = 0).
+    Tokens past T, and all tokens of null rows (index <= 0 or >= N, state
+    untouched), get zero outputs; tokens outside every window are not written.
+    """
+    if out is None:
+        out = torch.empty_like(x)
+    _ops.conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
+                     activation=activation, out=out)
+    return out
+
+
+__all__ += ["aligned_state_indices", "stage_spec_decode_metadata"]
+
+
+def aligned_state_indices(block_table: Tensor, seq_lens: Tensor, block_size: int,
+                          num_state_slots: int) -> Tensor:
+    """`out[r, j] = block_table[r, max((seq_lens[r] - 1) // block_size, 0) + j]` for
+    `j < num_state_slots` (SPEC §5): the state block that holds token
+    `seq_lens[r] - 1` and the ones after it. Slots whose column would run past
+    the table give NULL_BLOCK (nothing outside the table is read). Returns
+    `[R, num_state_slots]` with the dtype of `block_table`.
+
+    With `seq_lens = num_computed_tokens` this is where align mode keeps each
+    request's checkpoint (SPEC §4: the block of its last folded token).
+    """
+    return _ops.aligned_state_indices(block_table, seq_lens, block_size, num_state_slots)
+
+
+def stage_spec_decode_metadata(state_indices: Tensor, query_start_loc: Tensor,
+                               num_accepted_tokens: Tensor, staged_state_indices: Tensor,
+                               staged_query_start_loc: Tensor,
+                               staged_num_accepted_tokens: Tensor,
+                               num_spec_decodes) -> None:
+    """Copies the first `n = num_spec_decodes` requests' metadata into the fixed
+    buffers of a captured batch of `B = staged_state_indices.shape[0]` rows and
+    fills the rest as padding (SPEC §5):
+
+    - `staged_state_indices[:n] = state_indices[:n]`, the rest NULL_BLOCK
+      (`[B]`, or `[B, slots]` like a 2-D `state_indices`);
+    - `staged_query_start_loc[:n+1] = query_start_loc[:n+1]`, the rest
+      `query_start_loc[n]` (padding windows are empty);
+    - `staged_num_accepted_tokens[:n] = num_accepted_tokens[:n]`, the rest 1.
+
+    `num_spec_decodes` is either
+    - an int in `[0, min(rows of state_indices, B)]` (checked): it is a launch
+      argument, so a traced graph specialises on it (torch.compile guards on
+      it, or marks it dynamic after it changes) and a CUDA graph captured around
+      this call replays with the same `n`; or
+    - a one-element integer tensor on the device of the other tensors: it is
+      read by the kernel (no host sync), clamped to that range, so the call can
+      sit inside a captured CUDA graph and each replay stages the current `n`.
+    """
+    check_int_or_tensor("num_spec_decodes", num_spec_decodes)
+    args = (state_indices, query_start_loc, num_accepted_tokens, staged_state_indices,
+            staged_query_start_loc, staged_num_accepted_tokens, num_spec_decodes)
+    if isinstance(num_spec_decodes, Tensor):
+        _ops.stage_spec_decode_metadata_tensor_count(*args)
+    else:
+        _ops.stage_spec_decode_metadata(*args)

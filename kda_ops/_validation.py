@@ -305,3 +305,12 @@ def check_stage_spec_decode_metadata(state_indices, query_start_loc, num_accepte
               f"state_indices and of staged_state_indices) or a one-element tensor, "
               f"got {num_spec_decodes!r}")
     return count_limit
+
+
+def check_int_or_tensor(name, value):
+    """For arguments that pick between an int schema and a tensor schema: the
+    dispatcher would turn a bool into an int and reject a float with a
+    RuntimeError."""
+    if not isinstance(value, torch.Tensor) and (
+            isinstance(value, bool) or not isinstance(value, (int, torch.SymInt))):
+        _fail(name, f"must be an int or a one-element tensor, got {value!r}")

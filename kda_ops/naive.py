@@ -164,3 +164,48 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, *, state, conv_s
         states = states[0]
         convs = None if convs is None else convs[0]
     return states, convs
+
+
+def _activate(y, activation):
+    return y * torch.sigmoid(y) if activation == "silu" else y
+
+
+def causal_conv(history, tokens, weight, bias=None, activation="silu"):
+    """Depthwise causal convolution of a whole sequence `tokens [n, D]` that
+    follows `history [D, W-1]` (oldest first). Returns float64 `[n, D]`."""
+    W = weight.shape[1]
+    seq = torch.cat([history.double().T, tokens.double()])                      # [W-1+n, D]
+    outputs = []
+    for t in range(tokens.shape[0]):
+        y = torch.zeros(tokens.shape[1], dtype=torch.float64) if bias is None else bias.double()
+        for j in range(W):
+            y = y + weight[:, j].double() * seq[t + j]
+        outputs.append(_activate(y, activation))
+    return torch.stack(outputs) if outputs else torch.zeros(0, tokens.shape[1], dtype=torch.float64)
+
+
+def conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
+                activation="silu", out=None):
+    """Returns (out, conv_state) as conv update must leave them (float64 out,
+    conv_state in its dtype). Per request: the first min(L, T) tokens are
+    convolved and shifted into the history; tokens past T and tokens of null
+    rows get zeros. `out`, if given, supplies the tokens outside every window."""
+    W = weight.shape[1]
+    T = conv_state.shape[-1] - (W - 1) + 1
+    result = (torch.full(x.shape, float("nan"), dtype=torch.float64) if out is None
+              else out.double().clone())
+    new_state = conv_state.clone()
+    for b in range(state_indices.shape[0]):
+        bos, eos = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        block = int(state_indices[b])
+        for t in range(max(eos - bos, 0)):
+            result[bos + t] = 0.0
+        processed = min(max(eos - bos, 0), T)
+        if not _valid(block, conv_state.shape[0]) or processed == 0:
+            continue
+        history = conv_state[block, :, :W - 1]
+        tokens = x[bos:bos + processed]
+        result[bos:bos + processed] = causal_conv(history, tokens, weight, bias, activation)
+        new_state[block, :, :W - 2 + processed] = torch.cat(
+            [history[:, 1:], tokens.T.to(conv_state.dtype)], dim=1)
+    return result, new_state

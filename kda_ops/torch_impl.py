@@ -182,7 +182,10 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_stat
         rows = conv[:, safe_source]                                           # [L, B, D, cols]
 
         def history_after(n):
-            cols = (n.clamp(min=1) - 1)[:, None] + history[None, :]           # [B, W-1]
+            # Rows without a boundary carry a recovery length up to block_size:
+            # clamp so that their (discarded) gather stays inside the window.
+            first = n.clamp(min=1, max=dims.spec_len) - 1
+            cols = first[:, None] + history[None, :]                          # [B, W-1]
             index = cols.view(1, -1, 1, dims.conv_history).expand(L, -1, dims.conv_dim, -1)
             return rows.gather(3, index)
 
@@ -191,3 +194,85 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_stat
             boundary_history = history_after(recovery)
             _write_rows(conv[..., :dims.conv_history], boundary, boundary_ok, boundary_history)
         _write_rows(conv[..., :dims.conv_history], final, final_ok, final_history)
+
+
+def conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation, out,
+                dims):
+    """SPEC §2 conv update, with the conventions of `kernels.conv`: null rows
+    and tokens past T get zero outputs; only the first min(L, T) tokens reach
+    the state."""
+    batch, spec_len, history = dims.batch, dims.spec_len, dims.width - 1
+    if batch == 0:
+        return
+    starts = query_start_loc[:-1].long()
+    window = (query_start_loc[1:].long() - starts).clamp(min=0)
+    block = state_indices.long()
+    valid = _valid_block(block, dims.num_blocks)
+    safe_block = torch.where(valid, block, 0)
+    processed = torch.where(valid, window.clamp(max=spec_len), 0)                # [B]
+    positions = torch.arange(spec_len, device=x.device)
+    live = positions[None, :] < processed[:, None]                               # [B, T]
+    token = torch.where(live, starts[:, None] + positions[None, :], dims.num_tokens)
+    windows = _pad_token(x)[token].transpose(1, 2)                               # [B, D, T]
+    rows = conv_state[safe_block]                                                # [B, D, W-2+T]
+
+    # Depthwise cross-correlation over [history, window]: y_t = sum_j w_j seq[t + j].
+    seq = torch.cat([rows[..., :history].float(), windows.float()], dim=-1)
+    # A sum over the W taps, not F.conv1d: conv1d's fake implementation picks a
+    # CPU backend by batch size and so guards on it (a recompile under dynamic shapes).
+    w = weight.float()
+    y = sum(w[:, j, None] * seq[..., j:j + spec_len] for j in range(dims.width))  # [B, D, T]
+    if bias is not None:
+        y = y + bias.float()[:, None]
+    if activation == "silu":
+        y = F.silu(y)
+
+    # Column c takes seq[c + 1] for c < W-2 + processed; other columns keep their bits.
+    shifted = torch.cat([rows[..., 1:history], windows.to(conv_state.dtype)], dim=-1)
+    columns = torch.arange(shifted.shape[-1], device=x.device)
+    written = (columns[None, :] < history - 1 + processed[:, None]) & (processed > 0)[:, None]
+    conv_state[safe_block] = torch.where(written[:, None, :], shifted, rows)
+
+    n = torch.arange(dims.num_tokens, device=x.device)
+    request = torch.searchsorted(query_start_loc[1:].long().contiguous(), n, right=True)
+    in_window = (n >= query_start_loc[0].long()) & (request < batch)
+    request = request.clamp(max=batch - 1)
+    position = n - starts[request]
+    keep = position < processed[request]
+    per_token = torch.where(keep[:, None], y[request, :, position.clamp(0, spec_len - 1)], 0.0)
+    out.copy_(torch.where(in_window[:, None], per_token.to(out.dtype), out))
+
+
+def aligned_state_indices(block_table, seq_lens, block_size, num_state_slots):
+    """SPEC §5; columns past the table give NULL_BLOCK."""
+    table_cols = block_table.shape[1]
+    first_col = (seq_lens.long() - 1).clamp(min=0) // block_size
+    cols = first_col[:, None] + torch.arange(num_state_slots, device=block_table.device)
+    in_table = cols < table_cols
+    # One null column gives the gather a safe target for columns past the table.
+    null_column = block_table.new_full((block_table.shape[0], 1), NULL_BLOCK)
+    padded = torch.cat([block_table, null_column], dim=1)
+    return padded.gather(1, torch.where(in_table, cols, table_cols))
+
+
+def stage_spec_decode_metadata(state_indices, query_start_loc, num_accepted_tokens,
+                               staged_state_indices, staged_query_start_loc,
+                               staged_num_accepted_tokens, num_spec_decodes, count_limit):
+    """SPEC §5. `num_spec_decodes` is an int or a one-element tensor, clamped to
+    [0, count_limit] like the kernel does."""
+    batch = staged_state_indices.shape[0]
+    source_rows = state_indices.shape[0]
+    if isinstance(num_spec_decodes, torch.Tensor):
+        num_real = num_spec_decodes.reshape(()).long().clamp(0, count_limit)
+    else:
+        num_real = num_spec_decodes
+    rows = torch.arange(batch, device=state_indices.device)
+    real = rows < num_real
+    # Padding rows read an appended row that holds the padding value.
+    source_row = torch.where(real, rows, source_rows)
+    null_row = state_indices.new_full((1,) + tuple(state_indices.shape[1:]), NULL_BLOCK)
+    staged_state_indices.copy_(torch.cat([state_indices, null_row])[source_row])
+    accepted = torch.cat([num_accepted_tokens[:source_rows], num_accepted_tokens.new_ones(1)])
+    staged_num_accepted_tokens.copy_(accepted[source_row])
+    starts = torch.arange(batch + 1, device=state_indices.device).clamp(max=num_real)
+    staged_query_start_loc.copy_(query_start_loc[starts])

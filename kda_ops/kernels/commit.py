@@ -54,6 +54,7 @@ def _commit_state_kernel(
         # program touches it, so final == source (in-place) is race-free.
         state = tl.load(head_base + source * stride_s_blk + tile, mask=mask_tile,
                         other=0.0).to(tl.float32)
+        tl.debug_barrier()  # every warp has read its part before any warp stores
         A = tl.exp(tl.load(A_log_ptr + layer * stride_A_layer + h * stride_A_head).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + layer * stride_dt_layer + h * stride_dt_head
                           + offs_k * stride_dt_dim, mask=mask_k, other=0.0).to(tl.float32)
@@ -112,12 +113,14 @@ def _commit_conv_kernel(
         rows = conv_ptr + layer * stride_layer + offs_d[:, None] * stride_dim
         src = rows + source * stride_blk
         # History after n tokens: columns n-1 .. n-1+HISTORY-1 of the window buffer.
-        # Both histories are loaded before either is stored (in-place safe).
         final_hist = tl.load(src + (commit - 1 + cols[None, :]) * stride_col, mask=mask)
+        boundary_mask = live_range(offs_d, conv_dim, boundary_ok)[:, None] & in_history
         if ALIGN:
-            boundary_mask = live_range(offs_d, conv_dim, boundary_ok)[:, None] & in_history
             boundary_hist = tl.load(src + (recovery - 1 + cols[None, :]) * stride_col,
                                     mask=boundary_mask)
+        # Columns shift left in place: all loads land before any store.
+        tl.debug_barrier()
+        if ALIGN:
             tl.store(rows + boundary * stride_blk + cols[None, :] * stride_col, boundary_hist,
                      mask=boundary_mask)
         tl.store(rows + final * stride_blk + cols[None, :] * stride_col, final_hist,
@@ -163,6 +166,11 @@ def plan_launch_args(num_accepted_tokens, request_indices, state_indices, query_
     return pointers, scalars, strides
 
 
+def commit_config(value_dim):
+    """(BV, num_warps) of the state fold."""
+    return min(triton.next_power_of_2(value_dim), 32), 4
+
+
 def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                   correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
                   block_table, num_computed_tokens, block_size, dims, plan):
@@ -174,7 +182,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
     flags = dict(SPEC_LEN=dims.spec_len, HAS_REQUEST_INDICES=request_indices is not None,
                  ALIGN=plan.align)
     K, V = dims.key_dim, dims.value_dim
-    BV = min(triton.next_power_of_2(V), 32)
+    BV, warps = commit_config(V)
     grid = (triton.cdiv(V, BV), plan.batch, dims.num_layers * dims.num_heads)
     wrap_triton(_commit_state_kernel)[grid](
         state, correction, key_gate, A_log, dt_bias, *pointers,
@@ -183,7 +191,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         *layer_strides(key_gate, dims.stacked),
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),
         K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, NUM_HEADS=dims.num_heads,
-        USE_LOWER_BOUND=lower_bound is not None, **flags, num_warps=4,
+        USE_LOWER_BOUND=lower_bound is not None, **flags, num_warps=warps,
     )
     if conv_state is not None:
         BD = min(triton.next_power_of_2(dims.conv_dim), 256)

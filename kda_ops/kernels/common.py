@@ -4,7 +4,8 @@ import triton
 import triton.language as tl
 
 # State block 0 is the null block: an index <= NULL_BLOCK marks a padding row.
-NULL_BLOCK = 0
+# A constexpr, because @triton.jit code may read no other kind of global.
+NULL_BLOCK = tl.constexpr(0)
 
 
 @triton.jit

@@ -1,0 +1,238 @@
+"""Benchmark: every op through one runner, against the copy bandwidth.
+
+    python -m kda_ops.bench [--ops verify,commit,conv_update,step] [--batches 1,8,32,...]
+                            [--spec-lens 2,4,8] [--layers 16] [--json out.json] [--plot out.png]
+
+For each op and shape: the median time of many runs (CUDA events through
+`triton.testing.do_bench`, or CUDA-graph replays for the full step), the bytes
+that must move (each input read once, each output written once), and the
+effective bandwidth as a fraction of the device-to-device copy bandwidth
+measured in the same run. Inputs rotate over enough state blocks to exceed the
+L2 cache several times, so small batches are not timed out of the cache.
+"""
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+
+import kda_ops
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    spec_len: int
+    layers: int = 16
+    heads: int = 32
+    key_dim: int = 128
+    value_dim: int = 128
+    conv_width: int = 4
+    act_dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def tokens(self):
+        return self.batch * self.spec_len
+
+    @property
+    def conv_dim(self):
+        return self.heads * (2 * self.key_dim + self.value_dim)
+
+
+ROTATION_BYTES = 512 << 20  # touched per rotation: well above the 60 MB L2 of an H200
+
+
+def _block_pool(shape, bytes_per_request):
+    """Number of index sets to rotate over and the blocks needed (block 0 is null)."""
+    sets = max(1, min(64, math.ceil(ROTATION_BYTES / (bytes_per_request * shape.batch))))
+    return sets, sets * shape.batch + 1
+
+
+def _index_sets(sets, batch, device):
+    blocks = torch.randperm(sets * batch, device=device).to(torch.int32) + 1
+    return [blocks[i * batch:(i + 1) * batch] for i in range(sets)]
+
+
+def setup_verify(shape, device):
+    H, K, V, T, B = shape.heads, shape.key_dim, shape.value_dim, shape.spec_len, shape.batch
+    act = shape.act_dtype
+    act_bytes = torch.finfo(act).bits // 8
+    state_bytes = H * V * K * 4
+    sets, N = _block_pool(shape, state_bytes)
+    n = shape.tokens
+    q, k, g = (torch.randn(n, H, K, device=device, dtype=act) for _ in range(3))
+    v = torch.randn(n, H, V, device=device, dtype=act)
+    beta = torch.randn(n, H, device=device, dtype=act)
+    A_log, dt_bias = torch.randn(H, device=device) * 0.5, torch.randn(H, K, device=device)
+    state = torch.randn(N, H, V, K, device=device)
+    correction = torch.empty(N, H, T, V, device=device)
+    key_gate = torch.empty(N, H, T, 2 * K, device=device, dtype=act)
+    starts = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+    out = torch.empty_like(v)
+    calls = [lambda idx=idx: kda_ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction,
+                                            key_gate, starts, idx, lower_bound=-5.0, out=out)
+             for idx in _index_sets(sets, B, device)]
+    moved = (B * state_bytes + n * H * (3 * K + V + 1) * act_bytes      # state, q k g v beta
+             + n * H * V * act_bytes + n * H * (V * 4 + 2 * K * act_bytes))  # out, records
+    return calls, moved
+
+
+def _commit_buffers(shape, device, N):
+    L, H, K, V, T = shape.layers, shape.heads, shape.key_dim, shape.value_dim, shape.spec_len
+    act = shape.act_dtype
+    cols = shape.conv_width - 1 + T - 1
+    return dict(
+        state=torch.randn(L, N, H, V, K, device=device),
+        # Engine layout [L, N, cols, D], passed dim-first.
+        conv_state=torch.randn(L, N, cols, shape.conv_dim, device=device, dtype=act).transpose(-1, -2),
+        correction=torch.randn(L, N, H, T, V, device=device),
+        key_gate=torch.randn(L, N, H, T, 2 * K, device=device, dtype=act),
+        A_log=torch.randn(L, H, device=device) * 0.5,
+        dt_bias=torch.randn(L, H, K, device=device),
+    )
+
+
+def commit_bytes(shape, accepted):
+    L, H, K, V = shape.layers, shape.heads, shape.key_dim, shape.value_dim
+    act_bytes = torch.finfo(shape.act_dtype).bits // 8
+    per_request = L * (2 * H * V * K * 4 + accepted * H * (V * 4 + 2 * K * act_bytes)
+                       + 2 * shape.conv_dim * (shape.conv_width - 1) * act_bytes)
+    return shape.batch * per_request
+
+
+def setup_commit(shape, device):
+    B, T = shape.batch, shape.spec_len
+    per_request = commit_bytes(Shape(1, T, shape.layers, shape.heads, shape.key_dim,
+                                     shape.value_dim, shape.conv_width, shape.act_dtype), T)
+    sets, N = _block_pool(shape, per_request)
+    bufs = _commit_buffers(shape, device, N)
+    accepted = torch.full((B,), T, device=device, dtype=torch.int32)
+    starts = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+    calls = [lambda idx=idx: kda_ops.commit(accepted, idx, starts, lower_bound=-5.0, **bufs)
+             for idx in _index_sets(sets, B, device)]
+    return calls, commit_bytes(shape, T)
+
+
+def setup_conv_update(shape, device):
+    B, T, D, W = shape.batch, shape.spec_len, shape.conv_dim, shape.conv_width
+    act = shape.act_dtype
+    act_bytes = torch.finfo(act).bits // 8
+    cols = W - 1 + T - 1
+    sets, N = _block_pool(shape, D * cols * act_bytes)
+    x = torch.randn(shape.tokens, D, device=device, dtype=act)
+    conv_state = torch.randn(N, cols, D, device=device, dtype=act).transpose(-1, -2)
+    weight, bias = torch.randn(D, W, device=device, dtype=act), torch.randn(D, device=device, dtype=act)
+    starts = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+    out = torch.empty_like(x)
+    calls = [lambda idx=idx: kda_ops.conv_update(x, conv_state, weight, bias, starts, idx, out=out)
+             for idx in _index_sets(sets, B, device)]
+    moved = (2 * shape.tokens * D + B * D * (W - 1) + B * D * (W - 2 + T)) * act_bytes
+    return calls, moved
+
+
+def setup_step(shape, device):
+    """16 x (conv_update + verify) + one commit, captured in one CUDA graph."""
+    from .models import KDADecodeStep
+    model = KDADecodeStep.for_benchmark(shape, device)
+    inputs = model.example_inputs(shape.batch)
+    model.step(*inputs)  # compile kernels before capture
+    torch.cuda.synchronize()
+    return [lambda: model.step(*inputs)], model.step_bytes(shape.batch)
+
+
+SETUPS = {"verify": setup_verify, "commit": setup_commit, "conv_update": setup_conv_update,
+          "step": setup_step}
+
+
+def graph_time_us(calls):
+    """Median time of one call, from replays of a CUDA graph that makes every
+    call of the rotation once (no host launch overhead in the number)."""
+    for call in calls:
+        call()  # compiles the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    return ms * 1e3 / len(calls)
+
+
+def copy_bandwidth(device, nbytes=2 << 30):
+    src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def run(ops, batches, spec_lens, layers, device):
+    copy_bw = copy_bandwidth(device)
+    rows = []
+    for op in ops:
+        for T in spec_lens:
+            for B in batches:
+                shape = Shape(batch=B, spec_len=T, layers=layers)
+                calls, moved = SETUPS[op](shape, device)
+                us = graph_time_us(calls)
+                bw = moved / (us * 1e-6)
+                rows.append(dict(op=op, batch=B, spec_len=T,
+                                 layers=layers if op in ("commit", "step") else 1,
+                                 time_us=us, bytes=moved, bandwidth_gbs=bw / 1e9,
+                                 fraction_of_copy=bw / copy_bw, floor_us=moved / copy_bw * 1e6))
+                print(f"{op:12s} T={T} B={B:4d}  {us:9.1f} us  {bw / 1e9:7.0f} GB/s  "
+                      f"{bw / copy_bw:6.1%} of copy  (floor {moved / copy_bw * 1e6:8.1f} us)", flush=True)
+                del calls
+                torch.cuda.empty_cache()
+    return copy_bw, rows
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for (op, T) in sorted({(r["op"], r["spec_len"]) for r in rows}):
+        sel = [r for r in rows if r["op"] == op and r["spec_len"] == T]
+        ax.plot([r["batch"] for r in sel], [r["fraction_of_copy"] for r in sel], marker="o",
+                label=f"{op} T={T}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (requests)")
+    ax.set_ylabel("effective bandwidth / copy bandwidth")
+    ax.axhline(0.8, color="gray", linestyle="--", linewidth=0.8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="kda_ops benchmark (CUDA)")
+    parser.add_argument("--ops", default="verify,commit,conv_update,step")
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--spec-lens", default="2,4,8")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--json", default="bench.json")
+    parser.add_argument("--plot", default=None)
+    opts = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kda_ops.bench needs a CUDA GPU")
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    copy_bw, rows = run(opts.ops.split(","), [int(b) for b in opts.batches.split(",")],
+                        [int(t) for t in opts.spec_lens.split(",")], opts.layers, device)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, copy_bandwidth_gbs=copy_bw / 1e9)
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {meta['gpu']} "
+          f"(torch {meta['torch']}, triton {meta['triton']})")
+    with open(opts.json, "w") as f:
+        json.dump(dict(meta=meta, rows=rows, shape=asdict(Shape(0, 0)) | {"act_dtype": "bfloat16"}),
+                  f, indent=1, default=str)
+    if opts.plot:
+        plot(rows, opts.plot)
+
+
+if __name__ == "__main__":
+    main()
