@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import block_is_valid, commit_plan_row, kda_gate, l2_normalize, live_range
+from .common import (align_block_columns, block_is_valid, commit_plan_row, kda_gate,
+                     l2_normalize, live_range)
 
 
 @triton.jit
@@ -42,6 +43,21 @@ def _commit_state_kernel(
     source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
     final_ok = block_is_valid(final, num_blocks)
     boundary_ok = block_is_valid(boundary, num_blocks)
+    # The blocks that address the stores are loaded here, not taken from
+    # commit_plan_row's results (equal wherever the stores happen): see
+    # align_block_columns for why.
+    if ALIGN:
+        row, final_col, boundary_col = align_block_columns(
+            b, commit, request_ptr, stride_request, computed_ptr, stride_computed,
+            num_rows, bt_cols, block_size, HAS_REQUEST_INDICES)
+        final_at = tl.load(block_table_ptr + row * stride_bt_row + final_col * stride_bt_col,
+                           mask=final_ok, other=0).to(tl.int64)
+        boundary_at = tl.load(block_table_ptr + row * stride_bt_row
+                              + boundary_col * stride_bt_col,
+                              mask=boundary_ok, other=0).to(tl.int64)
+    else:
+        final_at = source
+        boundary_at = source
     if (commit > 0) & block_is_valid(source, num_blocks) & (final_ok | boundary_ok):
         offs_k = tl.arange(0, BK)
         offs_v = pid_v * BV + tl.arange(0, BV)
@@ -74,9 +90,10 @@ def _commit_state_kernel(
             state = tl.where(live, state * decay[None, :] + u[:, None] * kn[None, :], state)
             if ALIGN:
                 if boundary_ok & (t + 1 == recovery):
-                    tl.store(head_base + boundary * stride_s_blk + tile, state, mask=mask_tile)
+                    tl.store(head_base + boundary_at * stride_s_blk + tile, state,
+                             mask=mask_tile)
         if final_ok:
-            tl.store(head_base + final * stride_s_blk + tile, state, mask=mask_tile)
+            tl.store(head_base + final_at * stride_s_blk + tile, state, mask=mask_tile)
 
 
 @triton.jit
@@ -104,6 +121,21 @@ def _commit_conv_kernel(
     source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
     final_ok = block_is_valid(final, num_blocks)
     boundary_ok = block_is_valid(boundary, num_blocks)
+    # The blocks that address the stores are loaded here, not taken from
+    # commit_plan_row's results (equal wherever the stores happen): see
+    # align_block_columns for why.
+    if ALIGN:
+        row, final_col, boundary_col = align_block_columns(
+            b, commit, request_ptr, stride_request, computed_ptr, stride_computed,
+            num_rows, bt_cols, block_size, HAS_REQUEST_INDICES)
+        final_at = tl.load(block_table_ptr + row * stride_bt_row + final_col * stride_bt_col,
+                           mask=final_ok, other=0).to(tl.int64)
+        boundary_at = tl.load(block_table_ptr + row * stride_bt_row
+                              + boundary_col * stride_bt_col,
+                              mask=boundary_ok, other=0).to(tl.int64)
+    else:
+        final_at = source
+        boundary_at = source
     if (commit > 0) & block_is_valid(source, num_blocks) & (final_ok | boundary_ok):
         offs_d = pid_d * BD + tl.arange(0, BD)
         cols = tl.arange(0, BW)
@@ -121,9 +153,9 @@ def _commit_conv_kernel(
         # Columns shift left in place: all loads land before any store.
         tl.debug_barrier()
         if ALIGN:
-            tl.store(rows + boundary * stride_blk + cols[None, :] * stride_col, boundary_hist,
-                     mask=boundary_mask)
-        tl.store(rows + final * stride_blk + cols[None, :] * stride_col, final_hist,
+            tl.store(rows + boundary_at * stride_blk + cols[None, :] * stride_col,
+                     boundary_hist, mask=boundary_mask)
+        tl.store(rows + final_at * stride_blk + cols[None, :] * stride_col, final_hist,
                  mask=final_mask)
 
 
@@ -167,8 +199,8 @@ def plan_launch_args(num_accepted_tokens, request_indices, state_indices, query_
 
 
 def commit_config(value_dim):
-    """(BV, num_warps) of the state fold."""
-    return min(triton.next_power_of_2(value_dim), 32), 4
+    """(BV, num_warps) of the state fold (measured best on an H200)."""
+    return min(triton.next_power_of_2(value_dim), 64), 2
 
 
 def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,

@@ -86,3 +86,34 @@ def commit_plan_row(
     boundary = tl.where(null, NULL_BLOCK, boundary)
     recovery = tl.where(null, 0, recovery)
     return commit, final, boundary, recovery
+
+
+@triton.jit
+def align_block_columns(
+    b, commit,
+    request_ptr, stride_request, computed_ptr, stride_computed,
+    num_rows, bt_cols, block_size,
+    HAS_REQUEST_INDICES: tl.constexpr,
+):
+    """(row, final column, boundary column) of request `b` in the block table,
+    the same as inside `commit_plan_row` (align mode). The commit kernels load
+    the block indices that address their stores from these in their own body.
+
+    Why: torch (`triton_kernel_wrap`, used by torch.compile) finds the tensors a
+    kernel writes by walking each store's address back to the kernel's
+    arguments. The walk stops at a load, but through a call it takes every
+    pointer the callee receives. A store addressed by `commit_plan_row`'s
+    `final` would therefore mark num_accepted_tokens, state_indices,
+    query_start_loc, ... as written: compiled graphs would copy them back as
+    mutated inputs, and CUDA graphs (reduce-overhead) would be skipped.
+    """
+    if HAS_REQUEST_INDICES:
+        row = tl.load(request_ptr + b * stride_request).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
+    row = tl.where((row >= 0) & (row < num_rows), row, 0)
+    computed = tl.maximum(tl.load(computed_ptr + row * stride_computed).to(tl.int64), 0)
+    final_col = tl.minimum(tl.maximum(computed + commit - 1, 0) // block_size, bt_cols - 1)
+    next_boundary = (computed // block_size + 1) * block_size
+    boundary_col = tl.minimum(next_boundary // block_size - 1, bt_cols - 1)
+    return row, final_col, boundary_col
