@@ -194,9 +194,13 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
+    ops = sorted({r["op"] for r in rows})
+    spec_lens = sorted({r["spec_len"] for r in rows})
+    styles = ["-", "--", ":", "-."]
     for (op, T) in sorted({(r["op"], r["spec_len"]) for r in rows}):
         sel = [r for r in rows if r["op"] == op and r["spec_len"] == T]
         ax.plot([r["batch"] for r in sel], [r["fraction_of_copy"] for r in sel], marker="o",
+                color=f"C{ops.index(op)}", linestyle=styles[spec_lens.index(T) % len(styles)],
                 label=f"{op} T={T}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch (requests)")
