@@ -1,0 +1,87 @@
+"""AOTInductor (CUDA): the exported decode step (caches passed in and mutated
+in place) compiles into a package with torch._inductor.aoti_compile_and_package,
+and the package, loaded with torch._inductor.aoti_load_package in a separate
+process, equals eager.
+
+Loading has crashed (SIGSEGV) on a lent H200 even for a plain model, so a plain
+nn.Linear package is loaded first, also in its own process: if that crashes or
+fails, the test is skipped with that reason (the kda_ops package is then not
+judged); if the plain package loads but ours crashes or differs, the test fails.
+"""
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compile_helpers import (NOT_UNDER_INTERPRETER, StepWithCacheInputs, assert_close,
+                             requires_cuda, step_inputs, tiny_model)
+from kda_ops.models import KDACaches
+
+pytestmark = [NOT_UNDER_INTERPRETER, requires_cuda]
+
+WORKER = Path(__file__).with_name("aoti_worker.py")
+
+
+def run_worker(package, cases, tmp_path, name):
+    cases_file, results_file = tmp_path / f"{name}_cases.pt", tmp_path / f"{name}_results.pt"
+    torch.save(cases, cases_file)
+    proc = subprocess.run([sys.executable, str(WORKER), str(package), str(cases_file),
+                           str(results_file)], capture_output=True, text=True, timeout=900)
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    results = torch.load(results_file) if proc.returncode == 0 else None
+    return proc.returncode, tail, results
+
+
+def describe_exit(code):
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def test_aoti_package_matches_eager(tmp_path):
+    device = "cuda"
+    # 1. A plain model: does loading a package work on this machine at all?
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 16)).to(device).eval()
+    x = torch.randn(8, 32, device=device)
+    with torch.no_grad():
+        plain_ep = torch.export.export(plain, (x,), strict=False)
+        plain_expected = plain(x)
+    plain_package = torch._inductor.aoti_compile_and_package(
+        plain_ep, package_path=str(tmp_path / "plain.pt2"))
+    code, tail, results = run_worker(plain_package, {"device": device, "cases": [[x.cpu()]]},
+                                     tmp_path, "plain")
+    if code != 0:
+        pytest.skip(f"AOTInductor cannot load even a plain nn.Linear package on this machine "
+                    f"({describe_exit(code)}); the kda_ops package was not tested. "
+                    f"Worker output: {tail}")
+    assert_close(results[0][0][0], plain_expected, 1e-4, "plain model")
+
+    # 2. The decode step with kda_ops (static shapes: batch 3, 6 tokens).
+    model = tiny_model(device, conv_layout="token_first", num_blocks=20)
+    example = step_inputs(model, [2, 3, 1], seed=0) + tuple(model.random_caches(1))
+    ep = torch.export.export(StepWithCacheInputs(model), example, strict=False)
+    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "kda.pt2"))
+
+    cases, expected = [], []
+    for i, lens in enumerate(([2, 3, 1], [1, 2, 3], [3, 1, 2])):
+        inputs = step_inputs(model, lens, seed=10 + i)
+        caches = model.random_caches(20 + i)
+        cases.append([t.cpu() for t in inputs + tuple(caches)])
+        reference = KDACaches(*(t.clone() for t in caches))
+        out = model.decode_step(*inputs, reference)
+        expected.append((out, reference))
+    code, tail, results = run_worker(package, {"device": device, "cases": cases}, tmp_path, "kda")
+    assert code == 0, (f"the plain package loads, but the kda_ops package failed "
+                       f"({describe_exit(code)}): {tail}")
+    for i, ((outs, args), (out, reference)) in enumerate(zip(results, expected)):
+        assert_close(outs[0], out, 1e-5, f"case {i}: out")
+        for name, got, want in zip(KDACaches._fields, args[4:], reference):
+            assert_close(got, want, 1e-5, f"case {i}: {name}")

@@ -1,0 +1,330 @@
+"""A small reference model: one speculative decode step through a stack of KDA layers.
+
+This is the code a model author writes on top of `kda_ops`; the compile tests,
+the end-to-end checks and the benchmark drive it. Per layer `l`:
+
+    hidden --in-proj--> mixed [tokens, D], g [tokens, H, K], beta [tokens, H]
+    mixed  --kda_ops.conv_update(conv_state[l])--> q | k | v     (D = H*(2K+V))
+    q,k,v,g,beta --kda_ops.verify(state[l], correction[l], key_gate[l])--> out
+    hidden = hidden + out @ out-proj
+
+and after sampling, ONE `kda_ops.commit` folds the accepted prefix into the
+checkpoints and compacts the convolution history of every layer at once (the
+caches are stacked `[num_layers, num_blocks, ...]`, each layer uses its slice).
+
+With `projections=False` (what the benchmark uses) there are no matmuls: the
+input row is `[mixed | g | beta]` (width D + H*K + H), every layer reads the
+same row, and `forward` returns the last layer's output `[tokens, H*V]`.
+
+The caches are registered buffers (what `torch.compile(mode="reduce-overhead")`
+and CUDA graphs want: fixed addresses), or can be passed in as a `KDACaches`
+tuple instead (mark them with `torch._dynamo.mark_static_address` before
+compiling with CUDA graphs). Parameters never require grad: inference only.
+
+Shapes (per-token inputs are packed "varlen", SPEC §3):
+
+    hidden            [num_tokens, E]         E = hidden_size
+    query_start_loc   [B + 1] int32           request b owns tokens qsl[b]:qsl[b+1] (1..T of them)
+    state_indices     [B] int32               state block of request b (<= 0: padding row)
+    num_accepted      [B] int32               accepted tokens of each request's window
+
+    caches.state        [L, N, H, V, K]   state_dtype (float32 default)
+    caches.conv_state   [L, N, D, W-1+T-1] ("dim_first") or [L, N, W-1+T-1, D] ("token_first")
+    caches.correction   [L, N, H, T, V]   float32
+    caches.key_gate     [L, N, H, T, 2K]  activation dtype
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor, nn
+
+import kda_ops
+
+
+class KDACaches(NamedTuple):
+    """The per-block caches of every layer, stacked on a leading layer dim.
+
+    `conv_state` is the storage tensor in the model's `conv_layout`;
+    `KDADecodeStep.conv_state_dim_first(caches)` gives the `[L, N, D, cols]`
+    view the ops take."""
+
+    state: Tensor
+    conv_state: Tensor
+    correction: Tensor
+    key_gate: Tensor
+
+
+class KDADecodeStep(nn.Module):
+    """A stack of `num_layers` KDA layers running one speculative decode step.
+
+    Args:
+        num_layers: L.
+        num_heads: H.
+        head_dim: K (and V unless `value_dim` is given).
+        spec_len: T = 1 + number of draft tokens (window capacity).
+        conv_width: W of the causal depthwise convolution.
+        num_blocks: N state blocks per layer (block 0 is the null block).
+        value_dim: V (default K).
+        projections: per-layer input/output projections and a residual stream
+            (default); False: no matmuls, see the module docstring.
+        hidden_size: E with projections (default H*V).
+        dtype: activation dtype (inputs, weights, conv state, key/gate record).
+        state_dtype: checkpoint dtype (float32 or bfloat16).
+        conv_layout: "dim_first" stores conv state `[L, N, D, cols]`; "token_first"
+            stores an engine-like `[L, N, cols, D]` and passes it transposed.
+        lower_bound: the KDA gate's lower bound (negative float) or None.
+        seed: seeds the parameter initialisation (CPU generator, so the same
+            parameters on every device).
+        device: where parameters and caches live.
+
+    Methods:
+        forward(hidden, query_start_loc, state_indices, caches=None) -> Tensor
+            conv_update + verify for every layer; checkpoints are not modified.
+        commit(num_accepted_tokens, state_indices, query_start_loc, caches=None)
+            one kda_ops.commit for all layers.
+        decode_step(hidden, query_start_loc, state_indices, num_accepted_tokens, caches=None)
+            forward, then the commit of `num_accepted_tokens` of those windows, in
+            one call: one graph to compile or capture (the acceptance counts are
+            a device tensor given up front, e.g. computed on device or replayed).
+            `step` is an alias.
+    """
+
+    def __init__(self, num_layers: int = 2, num_heads: int = 2, head_dim: int = 16,
+                 spec_len: int = 4, conv_width: int = 4, num_blocks: int = 8, *,
+                 value_dim: Optional[int] = None, projections: bool = True,
+                 hidden_size: Optional[int] = None, dtype: torch.dtype = torch.float32,
+                 state_dtype: torch.dtype = torch.float32, conv_layout: str = "dim_first",
+                 lower_bound: Optional[float] = None, seed: int = 0,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        if conv_layout not in ("dim_first", "token_first"):
+            raise ValueError(f"conv_layout must be 'dim_first' or 'token_first', got {conv_layout!r}")
+        if num_layers < 1 or spec_len < 1 or conv_width < 2 or num_blocks < 2:
+            raise ValueError("need num_layers >= 1, spec_len >= 1, conv_width >= 2, num_blocks >= 2")
+        L, H, K = num_layers, num_heads, head_dim
+        V = K if value_dim is None else value_dim
+        self.num_layers, self.num_heads, self.key_dim, self.value_dim = L, H, K, V
+        self.spec_len, self.conv_width, self.num_blocks = spec_len, conv_width, num_blocks
+        self.conv_dim = H * (2 * K + V)
+        self.conv_cols = conv_width - 1 + spec_len - 1
+        self.projections = projections
+        if projections:
+            self.hidden_size = hidden_size or H * V
+        else:
+            self.hidden_size = self.conv_dim + H * K + H
+            if hidden_size not in (None, self.hidden_size):
+                raise ValueError(f"without projections the input width is D + H*K + H = "
+                                 f"{self.hidden_size}, got hidden_size={hidden_size}")
+        self.dtype, self.state_dtype, self.conv_layout = dtype, state_dtype, conv_layout
+        self.lower_bound = lower_bound
+        E, D = self.hidden_size, self.conv_dim
+
+        gen = torch.Generator().manual_seed(seed)
+
+        def param(*shape, scale=1.0, dtype=dtype):
+            value = torch.randn(shape, generator=gen) * scale
+            return nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False)
+
+        if projections:
+            self.w_mixed = param(L, E, D, scale=E ** -0.5)         # -> conv input (q|k|v)
+            self.w_gate = param(L, E, H * K, scale=E ** -0.5)      # -> raw gate g
+            self.w_beta = param(L, E, H, scale=E ** -0.5)          # -> beta (pre-sigmoid)
+            self.w_out = param(L, H * V, E, scale=0.5 * (H * V) ** -0.5)
+        self.conv_weight = param(L, D, conv_width, scale=conv_width ** -0.5)
+        self.conv_bias = param(L, D, scale=0.1)
+        # A = exp(A_log) in [1, 16) as in KDA's initialisation; dt_bias around 0. fp32.
+        a = torch.empty(L, H).uniform_(1.0, 16.0, generator=gen)
+        self.A_log = nn.Parameter(torch.log(a).to(device), requires_grad=False)
+        self.dt_bias = param(L, H, K, scale=0.5, dtype=torch.float32)
+
+        for name, value in self.empty_caches(device=device)._asdict().items():
+            self.register_buffer(name, value)
+
+    @classmethod
+    def for_benchmark(cls, shape, device, *, seed: int = 0) -> "KDADecodeStep":
+        """A model without projections for a `kda_ops.bench.Shape`-like object
+        (batch, spec_len, layers, heads, key_dim, value_dim, conv_width,
+        act_dtype): engine-like token-first conv state, lower bound -5, one
+        block per request (N = batch + 1), random caches."""
+        model = cls(shape.layers, shape.heads, shape.key_dim, shape.spec_len, shape.conv_width,
+                    shape.batch + 1, value_dim=shape.value_dim, projections=False,
+                    dtype=shape.act_dtype, conv_layout="token_first", lower_bound=-5.0,
+                    seed=seed, device=device)
+        model.randomize_caches(seed)
+        return model
+
+    # ------------------------------------------------------------------ caches
+    def cache_shapes(self) -> KDACaches:
+        L, N, H, K, V = self.num_layers, self.num_blocks, self.num_heads, self.key_dim, self.value_dim
+        conv = ((L, N, self.conv_dim, self.conv_cols) if self.conv_layout == "dim_first"
+                else (L, N, self.conv_cols, self.conv_dim))
+        return KDACaches((L, N, H, V, K), conv, (L, N, H, self.spec_len, V),
+                         (L, N, H, self.spec_len, 2 * K))
+
+    def cache_dtypes(self) -> KDACaches:
+        return KDACaches(self.state_dtype, self.dtype, torch.float32, self.dtype)
+
+    def empty_caches(self, device=None) -> KDACaches:
+        """New zero caches of this model's shapes (a set separate from the buffers)."""
+        device = self.A_log.device if device is None else device
+        return KDACaches(*(torch.zeros(shape, dtype=dtype, device=device)
+                           for shape, dtype in zip(self.cache_shapes(), self.cache_dtypes())))
+
+    def random_caches(self, seed: int = 0, device=None) -> KDACaches:
+        """New caches filled with N(0, 1) values (drawn on CPU: the same values on
+        every device). Tests compare on such data, never on zeros."""
+        gen = torch.Generator().manual_seed(seed)
+        device = self.A_log.device if device is None else device
+        return KDACaches(*(torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+                           for shape, dtype in zip(self.cache_shapes(), self.cache_dtypes())))
+
+    @torch.no_grad()
+    def randomize_caches(self, seed: int = 0) -> None:
+        """Fills the registered buffers with N(0, 1) values in place, drawn on
+        their device (no host copy; for large benchmark caches)."""
+        device = self.state.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for buffer in self.buffers_as_caches():
+            buffer.normal_(generator=gen)
+
+    def buffers_as_caches(self) -> KDACaches:
+        """The registered buffers (the caches used when `caches=None`)."""
+        return KDACaches(self.state, self.conv_state, self.correction, self.key_gate)
+
+    @torch.no_grad()
+    def load_caches(self, caches: KDACaches) -> None:
+        """Copies `caches` into the registered buffers (in place: addresses stay)."""
+        for buffer, value in zip(self.buffers_as_caches(), caches):
+            buffer.copy_(value)
+
+    def conv_state_dim_first(self, caches: Optional[KDACaches] = None) -> Tensor:
+        """The `[L, N, D, W-1+T-1]` view of the conv state that the ops take."""
+        conv = (caches if caches is not None else self.buffers_as_caches()).conv_state
+        return conv if self.conv_layout == "dim_first" else conv.transpose(-1, -2)
+
+    # ------------------------------------------------------------------ step
+    def forward(self, hidden: Tensor, query_start_loc: Tensor, state_indices: Tensor,
+                caches: Optional[KDACaches] = None) -> Tensor:
+        """Runs every layer over the packed windows. Returns the new hidden
+        `[num_tokens, E]` (without projections: the last layer's output
+        `[num_tokens, H*V]`). Writes the conv state (extended window) and the
+        correction / key-gate records; the checkpoints are not modified.
+        Tokens outside every window get unspecified values."""
+        c = caches if caches is not None else self.buffers_as_caches()
+        conv = self.conv_state_dim_first(c)
+        H, K, V, D = self.num_heads, self.key_dim, self.value_dim, self.conv_dim
+        num_tokens = hidden.shape[0]
+        out = hidden
+        for layer in range(self.num_layers):
+            if self.projections:
+                mixed = hidden @ self.w_mixed[layer]                            # [tokens, D]
+                g = (hidden @ self.w_gate[layer]).view(num_tokens, H, K)
+                beta = hidden @ self.w_beta[layer]                              # [tokens, H]
+            else:
+                mixed, g, beta = hidden.split([D, H * K, H], dim=-1)
+                g = g.view(num_tokens, H, K)
+            mixed = kda_ops.conv_update(mixed, conv[layer], self.conv_weight[layer],
+                                        self.conv_bias[layer], query_start_loc, state_indices,
+                                        activation="silu")
+            q, k, v = mixed.split([H * K, H * K, H * V], dim=-1)
+            out = kda_ops.verify(
+                q.view(num_tokens, H, K), k.view(num_tokens, H, K), v.view(num_tokens, H, V),
+                g, beta, self.A_log[layer], self.dt_bias[layer], c.state[layer],
+                c.correction[layer], c.key_gate[layer], query_start_loc, state_indices,
+                lower_bound=self.lower_bound).view(num_tokens, H * V)
+            if self.projections:
+                hidden = hidden + out @ self.w_out[layer]
+        return hidden if self.projections else out
+
+    def commit(self, num_accepted_tokens: Tensor, state_indices: Tensor,
+               query_start_loc: Tensor, caches: Optional[KDACaches] = None) -> None:
+        """Folds each request's accepted prefix of its last window into its
+        checkpoint and compacts its conv history: all layers, one op."""
+        c = caches if caches is not None else self.buffers_as_caches()
+        kda_ops.commit(num_accepted_tokens, state_indices, query_start_loc, state=c.state,
+                       conv_state=self.conv_state_dim_first(c), correction=c.correction,
+                       key_gate=c.key_gate, A_log=self.A_log, dt_bias=self.dt_bias,
+                       lower_bound=self.lower_bound)
+
+    def decode_step(self, hidden: Tensor, query_start_loc: Tensor, state_indices: Tensor,
+                    num_accepted_tokens: Tensor, caches: Optional[KDACaches] = None) -> Tensor:
+        """`forward`, then `commit(num_accepted_tokens)` of the same windows."""
+        out = self.forward(hidden, query_start_loc, state_indices, caches)
+        self.commit(num_accepted_tokens, state_indices, query_start_loc, caches)
+        return out
+
+    step = decode_step
+
+    # ------------------------------------------------------------------ helpers
+    def example_inputs(self, batch: int, *, seed: int = 0):
+        """Benchmark-style inputs on the model's device: `batch` full windows of T
+        tokens, blocks 1..batch, every token accepted. Returns (hidden,
+        query_start_loc, state_indices, num_accepted_tokens)."""
+        if batch > self.num_blocks - 1:
+            raise ValueError(f"{batch} requests need {batch + 1} blocks, the model has "
+                             f"{self.num_blocks}")
+        device = self.A_log.device
+        T = self.spec_len
+        gen = torch.Generator(device=device).manual_seed(seed)
+        hidden = torch.randn(batch * T, self.hidden_size, generator=gen, device=device).to(self.dtype)
+        qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * T
+        indices = torch.arange(1, batch + 1, device=device, dtype=torch.int32)
+        accepted = torch.full((batch,), T, device=device, dtype=torch.int32)
+        return hidden, qsl, indices, accepted
+
+    def step_bytes(self, batch: int, accepted: Optional[int] = None) -> int:
+        """Bytes one `decode_step` of `batch` full windows must move through the
+        KDA ops (each input read once, each output written once; projections
+        not counted): per layer conv_update + verify, then the commit of
+        `accepted` tokens (default T) per request."""
+        L, H, K, V, T, D, W = (self.num_layers, self.num_heads, self.key_dim, self.value_dim,
+                               self.spec_len, self.conv_dim, self.conv_width)
+        accepted = T if accepted is None else accepted
+        act = torch.finfo(self.dtype).bits // 8
+        st = torch.finfo(self.state_dtype).bits // 8
+        n = batch * T
+        conv = (2 * n * D + batch * D * (W - 1) + batch * D * (W - 2 + T)) * act
+        verify = (batch * H * V * K * st + n * H * (3 * K + V + 1) * act + n * H * V * act
+                  + n * H * (V * 4 + 2 * K * act))
+        commit = batch * (2 * H * V * K * st + accepted * H * (V * 4 + 2 * K * act)
+                          + 2 * D * (W - 1) * act)
+        return L * (conv + verify + commit)
+
+    def extra_repr(self) -> str:
+        return (f"layers={self.num_layers}, heads={self.num_heads}, key_dim={self.key_dim}, "
+                f"value_dim={self.value_dim}, spec_len={self.spec_len}, "
+                f"conv_width={self.conv_width}, num_blocks={self.num_blocks}, "
+                f"projections={self.projections}, hidden={self.hidden_size}, dtype={self.dtype}, "
+                f"conv_layout={self.conv_layout}, lower_bound={self.lower_bound}")
+
+
+def make_step_inputs(model: KDADecodeStep, window_lens, *, seed: int = 0,
+                     state_indices=None, device=None):
+    """Random inputs for one step: (hidden, query_start_loc, state_indices,
+    num_accepted_tokens), drawn on CPU (the same values on every device).
+    `window_lens` are the per-request window lengths (1..T); state indices
+    default to distinct random valid blocks (so the batch must be < N);
+    accepted counts are random in 1..L."""
+    gen = torch.Generator().manual_seed(seed)
+    device = model.A_log.device if device is None else device
+    lens = torch.tensor(list(window_lens), dtype=torch.int64)
+    batch = lens.numel()
+    qsl = torch.zeros(batch + 1, dtype=torch.int32)
+    qsl[1:] = lens.cumsum(0).to(torch.int32)
+    num_tokens = int(lens.sum())
+    hidden = torch.randn(num_tokens, model.hidden_size, generator=gen).to(model.dtype)
+    if state_indices is None:
+        if batch > model.num_blocks - 1:
+            raise ValueError(f"{batch} requests need distinct blocks; the model has "
+                             f"{model.num_blocks - 1} usable (raise num_blocks)")
+        state_indices = (torch.randperm(model.num_blocks - 1, generator=gen) + 1)[:batch]
+    state_indices = torch.as_tensor(state_indices, dtype=torch.int32)
+    accepted = (torch.rand(batch, generator=gen) * lens).floor().to(torch.int32) + 1
+    accepted = torch.minimum(accepted, lens.to(torch.int32).clamp(min=1))
+    return tuple(t.to(device) for t in (hidden, qsl, state_indices, accepted))
+
+
+__all__ = ["KDACaches", "KDADecodeStep", "make_step_inputs"]
