@@ -29,6 +29,7 @@ def _commit_state_kernel(
     NUM_HEADS: tl.constexpr, SPEC_LEN: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    lower_bound = tl.cast(lower_bound, tl.float32)  # fp64 when launched by Inductor
     pid_v = tl.program_id(0)
     b = tl.program_id(1)
     layer = tl.program_id(2) // NUM_HEADS

@@ -27,6 +27,9 @@ def _verify_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPEC_LEN: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
+    # Inductor passes Python floats as fp64 scalars; the arithmetic is fp32.
+    lower_bound = tl.cast(lower_bound, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     pid_v = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
