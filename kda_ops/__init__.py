@@ -13,9 +13,10 @@ from torch import Tensor
 from . import ops as _ops
 from ._validation import check_int_or_tensor
 
-__all__ = ["verify", "commit", "commit_plan", "conv_update", "NULL_BLOCK"]
+from .torch_impl import NULL_BLOCK
 
-NULL_BLOCK = 0
+__all__ = ["verify", "commit", "commit_plan", "conv_update", "aligned_state_indices",
+           "stage_spec_decode_metadata", "NULL_BLOCK"]
 
 
 def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor,
@@ -84,9 +85,6 @@ def conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Te
     _ops.conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
                      activation=activation, out=out)
     return out
-
-
-__all__ += ["aligned_state_indices", "stage_spec_decode_metadata"]
 
 
 def aligned_state_indices(block_table: Tensor, seq_lens: Tensor, block_size: int,

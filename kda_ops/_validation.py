@@ -87,7 +87,7 @@ class VerifyDims:
 
 
 def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                 query_start_loc, state_indices, out) -> VerifyDims:
+                 query_start_loc, state_indices, lower_bound, out) -> VerifyDims:
     check_tensor("q", q, dtypes=ACTIVATION_DTYPES)
     device = q.device
     num_tokens, num_heads, key_dim = _token_view("q", q, 3)
@@ -120,6 +120,7 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     if out is None:
         _fail("out", "is required by torch.ops.kda_ops.verify (kda_ops.verify allocates it)")
     check_tensor("out", out, shape=_shape(v), dtypes=(v.dtype,), device=device)
+    check_lower_bound(lower_bound)
     return VerifyDims(num_tokens, num_heads, key_dim, value_dim, num_blocks, spec_len, batch)
 
 

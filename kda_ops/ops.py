@@ -18,11 +18,10 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op
 
 from . import torch_impl
-from ._validation import check_commit, check_lower_bound, check_plan, check_verify
-from ._validation import check_conv_update
+from ._validation import (check_aligned_state_indices, check_commit, check_conv_update,
+                          check_plan, check_stage_spec_decode_metadata, check_verify)
 from .kernels.commit import launch_commit, launch_commit_plan
 from .kernels.conv import launch_conv_update
-from ._validation import check_aligned_state_indices, check_stage_spec_decode_metadata
 from .kernels.metadata import launch_aligned_state_indices, launch_stage_spec_decode_metadata
 from .kernels.verify import launch_verify
 
@@ -45,8 +44,7 @@ def verify(
     # Custom ops cannot return an alias of an input, so the op writes into a
     # caller-provided `out`; `kda_ops.verify` allocates it when not given.
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                        query_start_loc, state_indices, out)
-    check_lower_bound(lower_bound)
+                        query_start_loc, state_indices, lower_bound, out)
     scale = dims.key_dim ** -0.5 if scale is None else scale
     impl = launch_verify if use_triton(q) else torch_impl.verify
     impl(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,

@@ -9,8 +9,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import (align_block_columns, block_is_valid, commit_plan_row, kda_gate,
-                     l2_normalize, live_range)
+from .common import NULL_BLOCK, block_is_valid, commit_plan_row, kda_gate, l2_normalize, live_range
 
 
 @triton.jit
@@ -35,30 +34,25 @@ def _commit_state_kernel(
     layer = tl.program_id(2) // NUM_HEADS
     h = tl.program_id(2) % NUM_HEADS
 
-    commit, final, boundary, recovery = commit_plan_row(
+    commit, row, final_col, boundary_col, recovery = commit_plan_row(
         b, accepted_ptr, stride_accepted, request_ptr, stride_request,
         state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
-        block_table_ptr, stride_bt_row, stride_bt_col, bt_cols, computed_ptr, stride_computed,
-        num_rows, block_size, SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
+        computed_ptr, stride_computed, num_rows, bt_cols, block_size,
+        SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
     )
+    # Block lookups stay in the kernel body: see commit_plan_row.
     source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+    if ALIGN:
+        table_row = block_table_ptr + row * stride_bt_row
+        final = tl.load(table_row + final_col * stride_bt_col, mask=commit > 0,
+                        other=NULL_BLOCK).to(tl.int64)
+        boundary = tl.load(table_row + boundary_col * stride_bt_col, mask=boundary_col >= 0,
+                           other=NULL_BLOCK).to(tl.int64)
+    else:
+        final = source
+        boundary = tl.zeros_like(source)
     final_ok = block_is_valid(final, num_blocks)
     boundary_ok = block_is_valid(boundary, num_blocks)
-    # The blocks that address the stores are loaded here, not taken from
-    # commit_plan_row's results (equal wherever the stores happen): see
-    # align_block_columns for why.
-    if ALIGN:
-        row, final_col, boundary_col = align_block_columns(
-            b, commit, request_ptr, stride_request, computed_ptr, stride_computed,
-            num_rows, bt_cols, block_size, HAS_REQUEST_INDICES)
-        final_at = tl.load(block_table_ptr + row * stride_bt_row + final_col * stride_bt_col,
-                           mask=final_ok, other=0).to(tl.int64)
-        boundary_at = tl.load(block_table_ptr + row * stride_bt_row
-                              + boundary_col * stride_bt_col,
-                              mask=boundary_ok, other=0).to(tl.int64)
-    else:
-        final_at = source
-        boundary_at = source
     if (commit > 0) & block_is_valid(source, num_blocks) & (final_ok | boundary_ok):
         offs_k = tl.arange(0, BK)
         offs_v = pid_v * BV + tl.arange(0, BV)
@@ -91,10 +85,10 @@ def _commit_state_kernel(
             state = tl.where(live, state * decay[None, :] + u[:, None] * kn[None, :], state)
             if ALIGN:
                 if boundary_ok & (t + 1 == recovery):
-                    tl.store(head_base + boundary_at * stride_s_blk + tile, state,
+                    tl.store(head_base + boundary * stride_s_blk + tile, state,
                              mask=mask_tile)
         if final_ok:
-            tl.store(head_base + final_at * stride_s_blk + tile, state, mask=mask_tile)
+            tl.store(head_base + final * stride_s_blk + tile, state, mask=mask_tile)
 
 
 @triton.jit
@@ -113,30 +107,25 @@ def _commit_conv_kernel(
     b = tl.program_id(1)
     layer = tl.program_id(2)
 
-    commit, final, boundary, recovery = commit_plan_row(
+    commit, row, final_col, boundary_col, recovery = commit_plan_row(
         b, accepted_ptr, stride_accepted, request_ptr, stride_request,
         state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
-        block_table_ptr, stride_bt_row, stride_bt_col, bt_cols, computed_ptr, stride_computed,
-        num_rows, block_size, SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
+        computed_ptr, stride_computed, num_rows, bt_cols, block_size,
+        SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
     )
+    # Block lookups stay in the kernel body: see commit_plan_row.
     source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+    if ALIGN:
+        table_row = block_table_ptr + row * stride_bt_row
+        final = tl.load(table_row + final_col * stride_bt_col, mask=commit > 0,
+                        other=NULL_BLOCK).to(tl.int64)
+        boundary = tl.load(table_row + boundary_col * stride_bt_col, mask=boundary_col >= 0,
+                           other=NULL_BLOCK).to(tl.int64)
+    else:
+        final = source
+        boundary = tl.zeros_like(source)
     final_ok = block_is_valid(final, num_blocks)
     boundary_ok = block_is_valid(boundary, num_blocks)
-    # The blocks that address the stores are loaded here, not taken from
-    # commit_plan_row's results (equal wherever the stores happen): see
-    # align_block_columns for why.
-    if ALIGN:
-        row, final_col, boundary_col = align_block_columns(
-            b, commit, request_ptr, stride_request, computed_ptr, stride_computed,
-            num_rows, bt_cols, block_size, HAS_REQUEST_INDICES)
-        final_at = tl.load(block_table_ptr + row * stride_bt_row + final_col * stride_bt_col,
-                           mask=final_ok, other=0).to(tl.int64)
-        boundary_at = tl.load(block_table_ptr + row * stride_bt_row
-                              + boundary_col * stride_bt_col,
-                              mask=boundary_ok, other=0).to(tl.int64)
-    else:
-        final_at = source
-        boundary_at = source
     if (commit > 0) & block_is_valid(source, num_blocks) & (final_ok | boundary_ok):
         offs_d = pid_d * BD + tl.arange(0, BD)
         cols = tl.arange(0, BW)
@@ -154,9 +143,9 @@ def _commit_conv_kernel(
         # Columns shift left in place: all loads land before any store.
         tl.debug_barrier()
         if ALIGN:
-            tl.store(rows + boundary_at * stride_blk + cols[None, :] * stride_col,
+            tl.store(rows + boundary * stride_blk + cols[None, :] * stride_col,
                      boundary_hist, mask=boundary_mask)
-        tl.store(rows + final_at * stride_blk + cols[None, :] * stride_col, final_hist,
+        tl.store(rows + final * stride_blk + cols[None, :] * stride_col, final_hist,
                  mask=final_mask)
 
 
@@ -247,14 +236,25 @@ def _commit_plan_kernel(
     SPEC_LEN: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr,
 ):
     b = tl.program_id(0)
-    commit, final, boundary, recovery = commit_plan_row(
+    commit, row, final_col, boundary_col, recovery = commit_plan_row(
         b, accepted_ptr, stride_accepted, request_ptr, stride_request,
         state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
-        block_table_ptr, stride_bt_row, stride_bt_col, bt_cols, computed_ptr, stride_computed,
-        num_rows, block_size, SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
+        computed_ptr, stride_computed, num_rows, bt_cols, block_size,
+        SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
     )
+    # Block lookups stay in the kernel body: see commit_plan_row.
+    source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+    if ALIGN:
+        table_row = block_table_ptr + row * stride_bt_row
+        final = tl.load(table_row + final_col * stride_bt_col, mask=commit > 0,
+                        other=NULL_BLOCK).to(tl.int64)
+        boundary = tl.load(table_row + boundary_col * stride_bt_col, mask=boundary_col >= 0,
+                           other=NULL_BLOCK).to(tl.int64)
+    else:
+        final = source
+        boundary = tl.zeros_like(source)
     tl.store(commit_out_ptr + b, commit.to(tl.int32))
-    tl.store(final_out_ptr + b, final.to(tl.int32))
+    tl.store(final_out_ptr + b, tl.where(commit > 0, final, NULL_BLOCK).to(tl.int32))
     tl.store(boundary_out_ptr + b, boundary.to(tl.int32))
     tl.store(recovery_out_ptr + b, recovery.to(tl.int32))
 

@@ -42,18 +42,26 @@ def commit_plan_row(
     request_ptr, stride_request,
     state_indices_ptr, stride_state_indices,
     query_start_ptr, stride_query_start,
-    block_table_ptr, stride_bt_row, stride_bt_col, bt_cols,
     computed_ptr, stride_computed,
-    num_rows, block_size,
+    num_rows, bt_cols, block_size,
     SPEC_LEN: tl.constexpr,
     HAS_REQUEST_INDICES: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    """SPEC §4 for request `b`: (commit_len, final, boundary, recovery), int64.
+    """SPEC §4 for request `b`, up to the block-table lookups: (commit_len, row,
+    final column, boundary column, recovery), int64. A null plan (source index
+    <= NULL_BLOCK, row outside `[0, num_rows)`, nothing accepted) has commit_len
+    0 and recovery 0; the boundary column is -1 when the window crosses no block
+    boundary. `num_computed_tokens` is clamped at 0 and columns at the table
+    width, so no input can index outside the table.
 
-    Rows outside `[0, num_rows)` and source indices <= NULL_BLOCK give the null
-    plan. In align mode `num_computed_tokens` is clamped at 0 and block-table
-    columns at the table width, so no input can index outside the table.
+    The caller loads the final and boundary blocks from the table in its own
+    body: torch (`triton_kernel_wrap`, used by torch.compile) finds the tensors a
+    kernel writes by walking each store address back to the kernel arguments; the
+    walk stops at a load, but through a call it takes every pointer the callee
+    receives, so a store addressed by a block returned from here would mark the
+    metadata tensors as written (copied back as mutated inputs, and CUDA graphs
+    skipped under reduce-overhead).
     """
     bos = tl.load(query_start_ptr + b * stride_query_start).to(tl.int64)
     eos = tl.load(query_start_ptr + (b + 1) * stride_query_start).to(tl.int64)
@@ -67,53 +75,15 @@ def commit_plan_row(
     accepted = tl.load(accepted_ptr + row * stride_accepted, mask=row_ok, other=0).to(tl.int64)
     commit = tl.minimum(tl.minimum(tl.maximum(accepted, 0), window), SPEC_LEN)
     source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
-    final = source
-    boundary = tl.zeros_like(source)
-    recovery = tl.zeros_like(source)
+    commit = tl.where((source <= NULL_BLOCK) | (row_ok == 0), 0, commit)
+    final_col = tl.zeros_like(row)
+    boundary_col = final_col - 1
+    recovery = tl.zeros_like(row)
     if ALIGN:
         computed = tl.maximum(tl.load(computed_ptr + row * stride_computed).to(tl.int64), 0)
         final_col = tl.minimum(tl.maximum(computed + commit - 1, 0) // block_size, bt_cols - 1)
-        final = tl.load(block_table_ptr + row * stride_bt_row + final_col * stride_bt_col).to(tl.int64)
         next_boundary = (computed // block_size + 1) * block_size
-        recovery = next_boundary - computed
-        boundary_col = tl.minimum(next_boundary // block_size - 1, bt_cols - 1)
-        crosses = computed + commit >= next_boundary
-        boundary = tl.load(block_table_ptr + row * stride_bt_row + boundary_col * stride_bt_col,
-                           mask=crosses, other=NULL_BLOCK).to(tl.int64)
-    null = (source <= NULL_BLOCK) | (commit == 0) | (row_ok == 0)
-    commit = tl.where(null, 0, commit)
-    final = tl.where(null, NULL_BLOCK, final)
-    boundary = tl.where(null, NULL_BLOCK, boundary)
-    recovery = tl.where(null, 0, recovery)
-    return commit, final, boundary, recovery
-
-
-@triton.jit
-def align_block_columns(
-    b, commit,
-    request_ptr, stride_request, computed_ptr, stride_computed,
-    num_rows, bt_cols, block_size,
-    HAS_REQUEST_INDICES: tl.constexpr,
-):
-    """(row, final column, boundary column) of request `b` in the block table,
-    the same as inside `commit_plan_row` (align mode). The commit kernels load
-    the block indices that address their stores from these in their own body.
-
-    Why: torch (`triton_kernel_wrap`, used by torch.compile) finds the tensors a
-    kernel writes by walking each store's address back to the kernel's
-    arguments. The walk stops at a load, but through a call it takes every
-    pointer the callee receives. A store addressed by `commit_plan_row`'s
-    `final` would therefore mark num_accepted_tokens, state_indices,
-    query_start_loc, ... as written: compiled graphs would copy them back as
-    mutated inputs, and CUDA graphs (reduce-overhead) would be skipped.
-    """
-    if HAS_REQUEST_INDICES:
-        row = tl.load(request_ptr + b * stride_request).to(tl.int64)
-    else:
-        row = b.to(tl.int64)
-    row = tl.where((row >= 0) & (row < num_rows), row, 0)
-    computed = tl.maximum(tl.load(computed_ptr + row * stride_computed).to(tl.int64), 0)
-    final_col = tl.minimum(tl.maximum(computed + commit - 1, 0) // block_size, bt_cols - 1)
-    next_boundary = (computed // block_size + 1) * block_size
-    boundary_col = tl.minimum(next_boundary // block_size - 1, bt_cols - 1)
-    return row, final_col, boundary_col
+        recovery = tl.where(commit > 0, next_boundary - computed, 0)
+        boundary_col = tl.where((commit > 0) & (computed + commit >= next_boundary),
+                                tl.minimum(next_boundary // block_size - 1, bt_cols - 1), -1)
+    return commit, row, final_col, boundary_col, recovery
