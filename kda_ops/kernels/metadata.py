@@ -67,7 +67,7 @@ def _stage_spec_decode_kernel(
     if COUNT_IN_TENSOR:
         requested = tl.load(count_ptr).to(tl.int64)
     else:
-        requested = count.to(tl.int64)
+        requested = tl.cast(count, tl.int64)  # a plain int when torch analyses the kernel
     # A device count is read, never trusted: clamping keeps every read inside
     # the source tensors.
     num_real = tl.minimum(tl.maximum(requested, 0), count_limit)
