@@ -18,7 +18,7 @@ INDICES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 10, -4)
 def make_commit_problem(device, *, num_layers=2, stacked=True, H=2, K=16, V=8, T=4, N=12,
                         W=4, D=10, dtype=torch.bfloat16, state_dtype=torch.float32,
                         lens=LENS, accepted=ACCEPTED, indices=INDICES, with_conv=True,
-                        flat_dt_bias=False, transposed_conv=False, seed=0):
+                        flat_dt_bias=False, transposed_conv=False, decay_shift=0.0, seed=0):
     gen = torch.Generator().manual_seed(seed)
     lead = (num_layers,) if stacked else ()
 
@@ -40,7 +40,7 @@ def make_commit_problem(device, *, num_layers=2, stacked=True, H=2, K=16, V=8, T
             conv_state = conv_state.transpose(-1, -2)
         else:
             conv_state, conv_buf = buffer(lead + (N, D, cols), dtype)
-    A_log = (torch.randn(lead + (H,), generator=gen) * 0.5).to(device)
+    A_log = (torch.randn(lead + (H,), generator=gen) * 0.5 + decay_shift).to(device)
     dt_bias = torch.randn(lead + ((H * K,) if flat_dt_bias else (H, K)), generator=gen).to(device)
     args = dict(
         num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32, device=device),
@@ -97,6 +97,20 @@ def test_commit_matches_oracle(device, state_dtype, dtype):
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_commit_single_layer_and_gate(device, lower_bound):
     args, buffers = make_commit_problem(device, stacked=False, flat_dt_bias=True, seed=2)
+    run_and_check(args, buffers, lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("decay_shift", [0.0, 4.0])
+def test_commit_long_window(device, lower_bound, decay_shift):
+    """T = 8 with every accepted count 0..8 and beyond, several value tiles
+    (V = 72), mild and extreme decay (cumulative decays underflow fp32)."""
+    lens = (8, 8, 8, 8, 8, 8, 8, 8, 8, 5, 8)
+    accepted = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12)
+    args, buffers = make_commit_problem(device, T=8, K=32, V=72, N=12, lens=lens,
+                                        accepted=accepted, indices=tuple(range(1, 12)),
+                                        decay_shift=decay_shift, seed=11)
     run_and_check(args, buffers, lower_bound=lower_bound)
 
 

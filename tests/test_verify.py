@@ -14,10 +14,13 @@ ACT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def make_problem(device, *, dtype=torch.float32, state_dtype=torch.float32, H=2, K=16, V=8,
                  T=4, N=7, lens=(1, 3, 4, 2, 0, 6, 2, 1), indices=(1, 2, 0, 3, 4, 5, -2, 9),
-                 prefix=2, suffix=3, leading_one=False, flat_dt_bias=False, seed=0):
+                 prefix=2, suffix=3, leading_one=False, flat_dt_bias=False, decay_shift=0.0,
+                 seed=0):
     """A verify problem. Tokens [0, prefix) and the last `suffix` lie outside every
     window; `indices` mixes valid blocks, the null block, a negative and an
-    out-of-range index; `lens` covers every L in 1..T, L = 0 and L > T."""
+    out-of-range index; `lens` covers every L in 1..T, L = 0 and L > T.
+    `decay_shift` is added to A_log (large: gates far below -1, products of
+    decays that underflow fp32)."""
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     starts = query_start_loc(lens, "cpu") + prefix
@@ -26,7 +29,7 @@ def make_problem(device, *, dtype=torch.float32, state_dtype=torch.float32, H=2,
     q, k, g = (rand(*lead, num_tokens, H, K).to(dtype).to(device) for _ in range(3))
     v = rand(*lead, num_tokens, H, V).to(dtype).to(device)
     beta = rand(*lead, num_tokens, H).to(dtype).to(device)
-    A_log = (rand(H) * 0.5).to(device)
+    A_log = (rand(H) * 0.5 + decay_shift).to(device)
     dt_bias = rand(H * K if flat_dt_bias else H, *(() if flat_dt_bias else (K,))).to(device)
     state, state_buf = guarded((N, H, V, K), state_dtype, device, gen)
     correction, corr_buf = guarded((N, H, T, V), torch.float32, device, gen)
@@ -98,6 +101,19 @@ def test_verify_matches_oracle(device, dtype, state_dtype):
 def test_verify_gate_and_scale(device, lower_bound, scale):
     args, buffers = make_problem(device, seed=2)
     check_against_oracle(args, buffers, None, lower_bound=lower_bound, scale=scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("decay_shift", [0.0, 4.0])
+def test_verify_long_window(device, lower_bound, decay_shift):
+    """T = 8 with every L in 0..10, several value tiles (V = 72), mild and
+    extreme decay (exp(A_log) near 55: cumulative decays underflow)."""
+    args, buffers = make_problem(device, T=8, K=32, V=72, N=12,
+                                 lens=(8, 1, 2, 3, 4, 5, 6, 7, 0, 10, 8),
+                                 indices=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0),
+                                 decay_shift=decay_shift, seed=9)
+    check_against_oracle(args, buffers, None, lower_bound=lower_bound)
 
 
 @pytest.mark.parametrize("device", DEVICES)
