@@ -1,10 +1,13 @@
 """Benchmark: every op through one runner, against the copy bandwidth.
 
-    python -m kda_ops.bench [--ops verify,commit,conv_update,step] [--batches 1,8,32,...]
+    python -m kda_ops.bench [--ops verify,commit,conv_update,verify_commit,step]
+                            [--batches 1,8,32,...]
                             [--spec-lens 2,4,8] [--layers 16] [--json out.json] [--plot out.png]
 
-For each op and shape: the median time of many runs (CUDA events through
-`triton.testing.do_bench`, or CUDA-graph replays for the full step), the bytes
+Ops: verify and conv_update (one layer), commit (all layers), verify_commit
+(every layer's verify, then the commit), step (every layer's conv_update +
+verify, then the commit: `kda_ops.models.KDADecodeStep`). For each op and
+shape: the median time of CUDA-graph replays of one call per rotation set, the bytes
 that must move (each input read once, each output written once), and the
 effective bandwidth as a fraction of the device-to-device copy bandwidth
 measured in the same run. Inputs rotate over enough state blocks to exceed the
@@ -12,9 +15,9 @@ L2 cache several times, so small batches are not timed out of the cache.
 """
 
 import argparse
+import dataclasses
 import json
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import triton
@@ -22,7 +25,7 @@ import triton
 import kda_ops
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Shape:
     batch: int
     spec_len: int
@@ -59,9 +62,7 @@ def _index_sets(sets, batch, device):
 def setup_verify(shape, device):
     H, K, V, T, B = shape.heads, shape.key_dim, shape.value_dim, shape.spec_len, shape.batch
     act = shape.act_dtype
-    act_bytes = torch.finfo(act).bits // 8
-    state_bytes = H * V * K * 4
-    sets, N = _block_pool(shape, state_bytes)
+    sets, N = _block_pool(shape, H * V * K * 4)
     n = shape.tokens
     q, k, g = (torch.randn(n, H, K, device=device, dtype=act) for _ in range(3))
     v = torch.randn(n, H, V, device=device, dtype=act)
@@ -75,9 +76,15 @@ def setup_verify(shape, device):
     calls = [lambda idx=idx: kda_ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction,
                                             key_gate, starts, idx, lower_bound=-5.0, out=out)
              for idx in _index_sets(sets, B, device)]
-    moved = (B * state_bytes + n * H * (3 * K + V + 1) * act_bytes      # state, q k g v beta
-             + n * H * V * act_bytes + n * H * (V * 4 + 2 * K * act_bytes))  # out, records
-    return calls, moved
+    return calls, verify_bytes(shape)
+
+
+def verify_bytes(shape):
+    """One layer's verify: state, q k g v beta read; out and records written."""
+    H, K, V, n = shape.heads, shape.key_dim, shape.value_dim, shape.tokens
+    act_bytes = torch.finfo(shape.act_dtype).bits // 8
+    return (shape.batch * H * V * K * 4 + n * H * (3 * K + V + 1) * act_bytes
+            + n * H * V * act_bytes + n * H * (V * 4 + 2 * K * act_bytes))
 
 
 def _commit_buffers(shape, device, N):
@@ -116,6 +123,35 @@ def setup_commit(shape, device):
     return calls, commit_bytes(shape, T)
 
 
+def setup_verify_commit(shape, device):
+    """Every layer's verify, then one commit of all layers (no conv_update):
+    the state traffic of a decode step, SPEC §2."""
+    L, H, K, V, T, B = (shape.layers, shape.heads, shape.key_dim, shape.value_dim,
+                        shape.spec_len, shape.batch)
+    act = shape.act_dtype
+    per_request = commit_bytes(Shape(1, T, L, H, K, V, shape.conv_width, act), T)
+    sets, N = _block_pool(shape, per_request + L * H * V * K * 4)
+    bufs = _commit_buffers(shape, device, N)
+    n = shape.tokens
+    q, k, g = (torch.randn(L, n, H, K, device=device, dtype=act) for _ in range(3))
+    v = torch.randn(L, n, H, V, device=device, dtype=act)
+    beta = torch.randn(L, n, H, device=device, dtype=act)
+    out = torch.empty(n, H, V, device=device, dtype=act)
+    accepted = torch.full((B,), T, device=device, dtype=torch.int32)
+    starts = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+
+    def call(idx):
+        for layer in range(L):
+            kda_ops.verify(q[layer], k[layer], v[layer], g[layer], beta[layer],
+                           bufs["A_log"][layer], bufs["dt_bias"][layer], bufs["state"][layer],
+                           bufs["correction"][layer], bufs["key_gate"][layer], starts, idx,
+                           lower_bound=-5.0, out=out)
+        kda_ops.commit(accepted, idx, starts, lower_bound=-5.0, **bufs)
+
+    calls = [lambda idx=idx: call(idx) for idx in _index_sets(sets, B, device)]
+    return calls, L * verify_bytes(shape) + commit_bytes(shape, T)
+
+
 def setup_conv_update(shape, device):
     B, T, D, W = shape.batch, shape.spec_len, shape.conv_dim, shape.conv_width
     act = shape.act_dtype
@@ -136,15 +172,17 @@ def setup_conv_update(shape, device):
 def setup_step(shape, device):
     """16 x (conv_update + verify) + one commit, captured in one CUDA graph."""
     from .models import KDADecodeStep
-    model = KDADecodeStep.for_benchmark(shape, device)
-    inputs = model.example_inputs(shape.batch)
-    model.step(*inputs)  # compile kernels before capture
-    torch.cuda.synchronize()
-    return [lambda: model.step(*inputs)], model.step_bytes(shape.batch)
+    one = dataclasses.replace(shape, batch=1)
+    sets, N = _block_pool(shape, shape.layers * verify_bytes(one) + commit_bytes(one, shape.spec_len))
+    model = KDADecodeStep.for_benchmark(shape, device, num_blocks=N)
+    hidden, starts, _, accepted = model.example_inputs(shape.batch)
+    calls = [lambda idx=idx: model.step(hidden, starts, idx, accepted)
+             for idx in _index_sets(sets, shape.batch, device)]
+    return calls, model.step_bytes(shape.batch)
 
 
 SETUPS = {"verify": setup_verify, "commit": setup_commit, "conv_update": setup_conv_update,
-          "step": setup_step}
+          "verify_commit": setup_verify_commit, "step": setup_step}
 
 
 def graph_time_us(calls):
@@ -179,7 +217,7 @@ def run(ops, batches, spec_lens, layers, device):
                 us = graph_time_us(calls)
                 bw = moved / (us * 1e-6)
                 rows.append(dict(op=op, batch=B, spec_len=T,
-                                 layers=layers if op in ("commit", "step") else 1,
+                                 layers=layers if op in ("commit", "verify_commit", "step") else 1,
                                  time_us=us, bytes=moved, bandwidth_gbs=bw / 1e9,
                                  fraction_of_copy=bw / copy_bw, floor_us=moved / copy_bw * 1e6))
                 print(f"{op:12s} T={T} B={B:4d}  {us:9.1f} us  {bw / 1e9:7.0f} GB/s  "
@@ -214,7 +252,7 @@ def plot(rows, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="kda_ops benchmark (CUDA)")
-    parser.add_argument("--ops", default="verify,commit,conv_update,step")
+    parser.add_argument("--ops", default="verify,commit,conv_update,verify_commit,step")
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--spec-lens", default="2,4,8")
     parser.add_argument("--layers", type=int, default=16)
@@ -232,7 +270,7 @@ def main(argv=None):
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {meta['gpu']} "
           f"(torch {meta['torch']}, triton {meta['triton']})")
     with open(opts.json, "w") as f:
-        json.dump(dict(meta=meta, rows=rows, shape=asdict(Shape(0, 0)) | {"act_dtype": "bfloat16"}),
+        json.dump(dict(meta=meta, rows=rows, shape=dataclasses.asdict(Shape(0, 0)) | {"act_dtype": "bfloat16"}),
                   f, indent=1, default=str)
     if opts.plot:
         plot(rows, opts.plot)

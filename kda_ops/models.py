@@ -144,13 +144,16 @@ class KDADecodeStep(nn.Module):
             self.register_buffer(name, value)
 
     @classmethod
-    def for_benchmark(cls, shape, device, *, seed: int = 0) -> "KDADecodeStep":
+    def for_benchmark(cls, shape, device, *, num_blocks: Optional[int] = None,
+                      seed: int = 0) -> "KDADecodeStep":
         """A model without projections for a `kda_ops.bench.Shape`-like object
         (batch, spec_len, layers, heads, key_dim, value_dim, conv_width,
-        act_dtype): engine-like token-first conv state, lower bound -5, one
-        block per request (N = batch + 1), random caches."""
+        act_dtype): engine-like token-first conv state, lower bound -5,
+        `num_blocks` state blocks (default one per request, N = batch + 1),
+        random caches."""
+        num_blocks = shape.batch + 1 if num_blocks is None else num_blocks
         model = cls(shape.layers, shape.heads, shape.key_dim, shape.spec_len, shape.conv_width,
-                    shape.batch + 1, value_dim=shape.value_dim, projections=False,
+                    num_blocks, value_dim=shape.value_dim, projections=False,
                     dtype=shape.act_dtype, conv_layout="token_first", lower_bound=-5.0,
                     seed=seed, device=device)
         model.randomize_caches(seed)
