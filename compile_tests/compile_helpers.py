@@ -27,6 +27,20 @@ NOT_UNDER_INTERPRETER = pytest.mark.skipif(
     "eager numerics only (tests/)")
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
+# Seen on the H200 machine's torch 2.11 (2026-12-02): when one graph mutates
+# several layer slices of a stacked cache (conv_update/verify per layer, then
+# commit of the whole stack), Inductor clones the slice of layer >= 1 out of a
+# temporary the size of ONE slice and then addresses it at the slice's offset
+# (its output code: `reinterpret_tensor(buf, ..., 768)` of a buffer filled by
+# copying 1536 elements out of a 768-element one), so layer >= 1 reads and keeps
+# out-of-bounds values. A graph of the layers alone (no commit) fails the same
+# way. Upstream: pytorch/pytorch#161115 and #192226 (fix PRs #184050, reverted,
+# and #192227). Strict: the day it passes, drop the mark.
+INDUCTOR_STACKED_SLICE_BUG = pytest.mark.xfail(
+    HAS_CUDA and torch.__version__ < (2, 12), strict=True,
+    reason="torch 2.11 Inductor: mutated slices of a stacked cache are cloned from an "
+    "undersized temporary (pytorch/pytorch#161115, #192226); see docs/compile.md")
+
 # The reference model of the compile tests: tiny, fp32, every feature on.
 TINY = dict(num_layers=2, num_heads=2, head_dim=16, spec_len=3, conv_width=4, num_blocks=8,
             lower_bound=-5.0)
