@@ -1,0 +1,107 @@
+"""Registers, spills and shared memory of the kda_ops kernels on sm_90, offline.
+
+    python tools/kernel_resources.py [--spec-lens 2,4,8] [--ttgir DIR]
+
+Compiles the state kernels for an H100/H200 target without a GPU (Triton's
+compiler plus the ptxas it ships), at the benchmark's shapes (H = 32, K = V = 128,
+bf16 activations, lower bound on) and the launch configuration the package
+uses, and prints what `ptxas -v` reports. Unit strides are specialised to 1
+and pointers and other strides marked 16-divisible, as at a real launch, so the
+layouts match what the GPU runs. A quick check before spending device time:
+spills or a register count that halves occupancy show up here.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kda_ops.kernels import commit as commit_kernels
+from kda_ops.kernels import verify as verify_kernels
+
+TARGET = GPUTarget("cuda", 90, 32)
+UNIT_STRIDES = {"stride_q_dim", "stride_k_dim", "stride_v_dim", "stride_g_dim", "stride_s_k",
+                "stride_c_dim", "stride_kg_dim", "stride_o_dim", "stride_dt_dim",
+                "stride_beta_head", "stride_A_head", "stride_query_start",
+                "stride_state_indices", "stride_accepted", "stride_request", "stride_computed"}
+ACTIVATION_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "key_gate_ptr", "out_ptr"}
+INDEX_POINTERS = {"query_start_ptr", "state_indices_ptr", "accepted_ptr", "request_ptr",
+                  "block_table_ptr", "computed_ptr"}
+
+
+def arg_type(name):
+    if name.endswith("_ptr"):
+        if name in ACTIVATION_POINTERS:
+            return "*bf16"
+        return "*i32" if name in INDEX_POINTERS else "*fp32"
+    if name in ("lower_bound", "scale"):
+        return "fp32"
+    return "i64" if name.startswith("stride") else "i32"
+
+
+def ptxas():
+    """Triton's newest bundled ptxas (it must accept the PTX version Triton emits)."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    names = sorted(n for n in os.listdir(bin_dir) if n.startswith("ptxas"))
+    return os.path.join(bin_dir, names[-1])
+
+
+def compile_report(kernel, constexprs, num_warps, ttgir_path=None):
+    names = kernel.arg_names
+    constexprs = dict(constexprs, **{n: 1 for n in names if n in UNIT_STRIDES})
+    signature = {n: "constexpr" if n in constexprs else arg_type(n) for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))
+             and n != "stride_beta_tok"}
+    source = ASTSource(kernel, signature,
+                       constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                       attrs=attrs)
+    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps))
+    if ttgir_path:
+        with open(ttgir_path, "w") as f:
+            f.write(compiled.asm["ttgir"])
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        result = subprocess.run([ptxas(), "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    registers = re.search(r"Used (\d+) registers", result.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", result.stderr)
+    return dict(registers=int(registers.group(1)), spill_store_bytes=int(spills.group(1)),
+                shared_bytes=compiled.metadata.shared)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec-lens", default="2,4,8")
+    parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
+    args = parser.parse_args(argv)
+    K = V = 128
+    commit_bv, commit_warps = commit_kernels.commit_config(V)
+    verify_bv, verify_warps = verify_kernels.verify_config(V)
+    for T in (int(t) for t in args.spec_lens.split(",")):
+        cases = {
+            "verify": (verify_kernels._verify_kernel,
+                       dict(K=K, V=V, BK=K, BV=verify_bv, SPEC_LEN=T, USE_LOWER_BOUND=True),
+                       verify_warps),
+            "commit_state": (commit_kernels._commit_state_kernel,
+                             dict(K=K, V=V, BK=K, BV=commit_bv, NUM_HEADS=32, SPEC_LEN=T,
+                                  USE_LOWER_BOUND=True, HAS_REQUEST_INDICES=False, ALIGN=False),
+                             commit_warps),
+        }
+        for name, (kernel, constexprs, warps) in cases.items():
+            ttgir = os.path.join(args.ttgir, f"{name}_T{T}.ttgir") if args.ttgir else None
+            report = compile_report(kernel, constexprs, warps, ttgir)
+            print(f"{name:13s} T={T} warps={warps}: {report['registers']} registers, "
+                  f"{report['spill_store_bytes']} B spilled, {report['shared_bytes']} B shared")
+
+
+if __name__ == "__main__":
+    main()
