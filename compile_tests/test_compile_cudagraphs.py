@@ -66,10 +66,12 @@ def run_reduce_overhead(model, caches, reference, reference_caches, steps=STEPS,
 
 
 @requires_cuda
-@INDUCTOR_STACKED_SLICE_BUG
+@pytest.mark.parametrize("num_layers", [1, pytest.param(2, marks=INDUCTOR_STACKED_SLICE_BUG)])
 @pytest.mark.parametrize("caches_as", ["buffers", "static_inputs"])
-def test_reduce_overhead_records_and_replays(caches_as):
-    model = tiny_model("cuda", conv_layout="token_first", num_blocks=20)
+def test_reduce_overhead_records_and_replays(caches_as, num_layers):
+    """One layer: every cache slice starts at offset 0 of its stack, which the
+    torch 2.11 bug behind the two-layer mark needs to be non-zero."""
+    model = tiny_model("cuda", conv_layout="token_first", num_blocks=20, num_layers=num_layers)
     reference = model_copy(model)
     caches = reference_caches = None
     if caches_as == "static_inputs":
