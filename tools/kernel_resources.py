@@ -8,7 +8,9 @@ bf16 activations, lower bound on) and the launch configuration the package
 uses, and prints what `ptxas -v` reports. Unit strides are specialised to 1
 and pointers and other strides marked 16-divisible, as at a real launch, so the
 layouts match what the GPU runs. A quick check before spending device time:
-spills or a register count that halves occupancy show up here.
+spills or a register count that halves occupancy show up here. Written against
+Triton 3.9 (the CPU machine's); the device's Triton 3.6 compiles the same
+kernels with small differences, so confirm on the device what matters.
 """
 
 import argparse
