@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import kda_ops
-from compile_helpers import (INDUCTOR_STACKED_SLICE_BUG, NOT_UNDER_INTERPRETER,
+from compile_helpers import (INDUCTOR_STACKED_SLICE_BUG, LAYER_COUNTS, NOT_UNDER_INTERPRETER,
                              assert_caches_close, assert_close,
                              clone_caches, model_copy, padded_step_inputs, recorded_cuda_graphs,
                              requires_cuda, step_inputs, tiny_model)
@@ -66,7 +66,7 @@ def run_reduce_overhead(model, caches, reference, reference_caches, steps=STEPS,
 
 
 @requires_cuda
-@pytest.mark.parametrize("num_layers", [1, pytest.param(2, marks=INDUCTOR_STACKED_SLICE_BUG)])
+@pytest.mark.parametrize("num_layers", LAYER_COUNTS)
 @pytest.mark.parametrize("caches_as", ["buffers", "static_inputs"])
 def test_reduce_overhead_records_and_replays(caches_as, num_layers):
     """One layer: every cache slice starts at offset 0 of its stack, which the
@@ -88,7 +88,7 @@ def test_reduce_overhead_records_and_replays(caches_as, num_layers):
 
 
 @requires_cuda
-@pytest.mark.parametrize("num_layers", [1, pytest.param(2, marks=INDUCTOR_STACKED_SLICE_BUG)])
+@pytest.mark.parametrize("num_layers", LAYER_COUNTS)
 def test_reduce_overhead_skips_unmarked_cache_inputs(num_layers):
     """The control for the test above: caches passed as plain inputs are
     mutated inputs, so cudagraphs are skipped (and the result stays right).

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from compile_helpers import (DEVICES, INDUCTOR_STACKED_SLICE_BUG, NOT_UNDER_INTERPRETER,
+from compile_helpers import (DEVICES, LAYER_COUNTS, NOT_UNDER_INTERPRETER,
                              assert_caches_close, assert_close,
                              declared_mutations, kernel_writes, model_copy, op_problems,
                              requires_cuda, run_batches_1_to_64, stand_in_cuda_target,
@@ -65,7 +65,7 @@ def test_inductor_metadata_ops_cpu():
 
 
 @requires_cuda
-@pytest.mark.parametrize("num_layers", [1, pytest.param(2, marks=INDUCTOR_STACKED_SLICE_BUG)])
+@pytest.mark.parametrize("num_layers", LAYER_COUNTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_matches_eager_cuda(dtype, num_layers):
     """One layer: no cache slice at a non-zero offset (see the mark)."""
@@ -83,7 +83,7 @@ def test_inductor_matches_eager_cuda(dtype, num_layers):
 
 
 @requires_cuda
-@pytest.mark.parametrize("num_layers", [1, pytest.param(2, marks=INDUCTOR_STACKED_SLICE_BUG)])
+@pytest.mark.parametrize("num_layers", LAYER_COUNTS)
 def test_dynamic_batch_and_tokens_cuda(num_layers):
     """Batch sizes 1..64 through Inductor on CUDA: at most two compiles."""
     model = tiny_model("cuda", num_blocks=72, num_layers=num_layers)

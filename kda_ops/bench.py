@@ -59,19 +59,31 @@ def _index_sets(sets, batch, device):
     return [blocks[i * batch:(i + 1) * batch] for i in range(sets)]
 
 
+def _window_starts(shape, device):
+    """query_start_loc of `batch` full windows of T tokens."""
+    return torch.arange(shape.batch + 1, device=device, dtype=torch.int32) * shape.spec_len
+
+
+def _token_inputs(shape, device, lead=()):
+    """Random q, k, g `[*lead, tokens, H, K]`, v `[*lead, tokens, H, V]`, beta."""
+    n, H, act = shape.tokens, shape.heads, shape.act_dtype
+    q, k, g = (torch.randn(*lead, n, H, shape.key_dim, device=device, dtype=act)
+               for _ in range(3))
+    v = torch.randn(*lead, n, H, shape.value_dim, device=device, dtype=act)
+    beta = torch.randn(*lead, n, H, device=device, dtype=act)
+    return q, k, g, v, beta
+
+
 def setup_verify(shape, device):
     H, K, V, T, B = shape.heads, shape.key_dim, shape.value_dim, shape.spec_len, shape.batch
     act = shape.act_dtype
     sets, N = _block_pool(shape, H * V * K * 4)
-    n = shape.tokens
-    q, k, g = (torch.randn(n, H, K, device=device, dtype=act) for _ in range(3))
-    v = torch.randn(n, H, V, device=device, dtype=act)
-    beta = torch.randn(n, H, device=device, dtype=act)
+    q, k, g, v, beta = _token_inputs(shape, device)
     A_log, dt_bias = torch.randn(H, device=device) * 0.5, torch.randn(H, K, device=device)
     state = torch.randn(N, H, V, K, device=device)
     correction = torch.empty(N, H, T, V, device=device)
     key_gate = torch.empty(N, H, T, 2 * K, device=device, dtype=act)
-    starts = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+    starts = _window_starts(shape, device)
     out = torch.empty_like(v)
     calls = [lambda idx=idx: kda_ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction,
                                             key_gate, starts, idx, lower_bound=-5.0, out=out)
@@ -110,14 +122,21 @@ def commit_bytes(shape, accepted):
     return shape.batch * per_request
 
 
+def decode_bytes(shape):
+    """Every layer's verify, then the commit of all T tokens."""
+    return shape.layers * verify_bytes(shape) + commit_bytes(shape, shape.spec_len)
+
+
+def _one_request(shape):
+    return dataclasses.replace(shape, batch=1)
+
+
 def setup_commit(shape, device):
     B, T = shape.batch, shape.spec_len
-    per_request = commit_bytes(Shape(1, T, shape.layers, shape.heads, shape.key_dim,
-                                     shape.value_dim, shape.conv_width, shape.act_dtype), T)
-    sets, N = _block_pool(shape, per_request)
+    sets, N = _block_pool(shape, commit_bytes(_one_request(shape), T))
     bufs = _commit_buffers(shape, device, N)
     accepted = torch.full((B,), T, device=device, dtype=torch.int32)
-    starts = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+    starts = _window_starts(shape, device)
     calls = [lambda idx=idx: kda_ops.commit(accepted, idx, starts, lower_bound=-5.0, **bufs)
              for idx in _index_sets(sets, B, device)]
     return calls, commit_bytes(shape, T)
@@ -126,19 +145,13 @@ def setup_commit(shape, device):
 def setup_verify_commit(shape, device):
     """Every layer's verify, then one commit of all layers (no conv_update):
     the state traffic of a decode step, SPEC §2."""
-    L, H, K, V, T, B = (shape.layers, shape.heads, shape.key_dim, shape.value_dim,
-                        shape.spec_len, shape.batch)
-    act = shape.act_dtype
-    per_request = commit_bytes(Shape(1, T, L, H, K, V, shape.conv_width, act), T)
-    sets, N = _block_pool(shape, per_request + L * H * V * K * 4)
+    L, B = shape.layers, shape.batch
+    sets, N = _block_pool(shape, decode_bytes(_one_request(shape)))
     bufs = _commit_buffers(shape, device, N)
-    n = shape.tokens
-    q, k, g = (torch.randn(L, n, H, K, device=device, dtype=act) for _ in range(3))
-    v = torch.randn(L, n, H, V, device=device, dtype=act)
-    beta = torch.randn(L, n, H, device=device, dtype=act)
-    out = torch.empty(n, H, V, device=device, dtype=act)
-    accepted = torch.full((B,), T, device=device, dtype=torch.int32)
-    starts = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+    q, k, g, v, beta = _token_inputs(shape, device, lead=(L,))
+    out = torch.empty_like(v[0])
+    accepted = torch.full((B,), shape.spec_len, device=device, dtype=torch.int32)
+    starts = _window_starts(shape, device)
 
     def call(idx):
         for layer in range(L):
@@ -149,7 +162,7 @@ def setup_verify_commit(shape, device):
         kda_ops.commit(accepted, idx, starts, lower_bound=-5.0, **bufs)
 
     calls = [lambda idx=idx: call(idx) for idx in _index_sets(sets, B, device)]
-    return calls, L * verify_bytes(shape) + commit_bytes(shape, T)
+    return calls, decode_bytes(shape)
 
 
 def setup_conv_update(shape, device):
@@ -161,7 +174,7 @@ def setup_conv_update(shape, device):
     x = torch.randn(shape.tokens, D, device=device, dtype=act)
     conv_state = torch.randn(N, cols, D, device=device, dtype=act).transpose(-1, -2)
     weight, bias = torch.randn(D, W, device=device, dtype=act), torch.randn(D, device=device, dtype=act)
-    starts = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+    starts = _window_starts(shape, device)
     out = torch.empty_like(x)
     calls = [lambda idx=idx: kda_ops.conv_update(x, conv_state, weight, bias, starts, idx, out=out)
              for idx in _index_sets(sets, B, device)]
@@ -172,8 +185,7 @@ def setup_conv_update(shape, device):
 def setup_step(shape, device):
     """16 x (conv_update + verify) + one commit, captured in one CUDA graph."""
     from .models import KDADecodeStep
-    one = dataclasses.replace(shape, batch=1)
-    sets, N = _block_pool(shape, shape.layers * verify_bytes(one) + commit_bytes(one, shape.spec_len))
+    sets, N = _block_pool(shape, decode_bytes(_one_request(shape)))
     model = KDADecodeStep.for_benchmark(shape, device, num_blocks=N)
     hidden, starts, _, accepted = model.example_inputs(shape.batch)
     calls = [lambda idx=idx: model.step(hidden, starts, idx, accepted)
