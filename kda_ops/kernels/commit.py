@@ -13,6 +13,19 @@ from .common import NULL_BLOCK, block_is_valid, commit_plan_row, kda_gate, l2_no
 
 
 @triton.jit
+def _token_records(t, commit, kg_row, corr_row, offs_k, offs_v, K, V,
+                   stride_kg_tok, stride_kg_dim, stride_c_tok):
+    """(k, g, u) recorded for window token t; zeros past the committed tokens."""
+    live = t < commit
+    live_k = live_range(offs_k, K, live)
+    raw_k = tl.load(kg_row + t * stride_kg_tok, mask=live_k, other=0.0).to(tl.float32)
+    raw_g = tl.load(kg_row + t * stride_kg_tok + K * stride_kg_dim, mask=live_k,
+                    other=0.0).to(tl.float32)
+    u = tl.load(corr_row + t * stride_c_tok, mask=live_range(offs_v, V, live), other=0.0)
+    return raw_k, raw_g, u
+
+
+@triton.jit
 def _commit_state_kernel(
     state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr,
     accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
@@ -73,16 +86,17 @@ def _commit_state_kernel(
                     + h * stride_c_head + offs_v * stride_c_dim)
         kg_row = (key_gate_ptr + layer * stride_kg_layer + source * stride_kg_blk
                   + h * stride_kg_head + offs_k * stride_kg_dim)
-        for t in tl.static_range(SPEC_LEN):
-            live = t < commit
-            live_k = live_range(offs_k, K, live)
-            raw_k = tl.load(kg_row + t * stride_kg_tok, mask=live_k, other=0.0).to(tl.float32)
-            raw_g = tl.load(kg_row + t * stride_kg_tok + K * stride_kg_dim, mask=live_k,
-                            other=0.0).to(tl.float32)
-            u = tl.load(corr_row + t * stride_c_tok, mask=live_range(offs_v, V, live), other=0.0)
+        # Token t+1's records are requested before token t's reductions and
+        # boundary store, which the loads could not otherwise pass.
+        next_records = _token_records(0, commit, kg_row, corr_row, offs_k, offs_v, K, V,
+                                      stride_kg_tok, stride_kg_dim, stride_c_tok)
+        for t in range(0, commit):
+            raw_k, raw_g, u = next_records
+            next_records = _token_records(t + 1, commit, kg_row, corr_row, offs_k, offs_v, K, V,
+                                          stride_kg_tok, stride_kg_dim, stride_c_tok)
             kn = l2_normalize(raw_k, 1.0)
             decay = tl.exp(kda_gate(raw_g, dt_bias, A, lower_bound, USE_LOWER_BOUND))
-            state = tl.where(live, state * decay[None, :] + u[:, None] * kn[None, :], state)
+            state = state * decay[None, :] + u[:, None] * kn[None, :]
             if ALIGN:
                 if boundary_ok & (t + 1 == recovery):
                     tl.store(head_base + boundary * stride_s_blk + tile, state,

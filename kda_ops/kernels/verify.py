@@ -8,6 +8,21 @@ from .common import block_is_valid, kda_gate, l2_normalize, live_range
 
 
 @triton.jit
+def _token_inputs(t, processed, k_rows, g_rows, q_rows, v_rows, beta_at, offs_k, offs_v, K, V,
+                  stride_k_tok, stride_g_tok, stride_q_tok, stride_v_tok, stride_beta_tok):
+    """(k, g, q, v, beta) of window token t; zeros past the processed tokens."""
+    live = t < processed
+    live_k = live_range(offs_k, K, live)
+    raw_k = tl.load(k_rows + t * stride_k_tok, mask=live_k, other=0.0)
+    raw_g = tl.load(g_rows + t * stride_g_tok, mask=live_k, other=0.0)
+    q = tl.load(q_rows + t * stride_q_tok, mask=live_k, other=0.0).to(tl.float32)
+    v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, live),
+                other=0.0).to(tl.float32)
+    beta = tl.load(beta_at + t * stride_beta_tok, mask=live, other=0.0).to(tl.float32)
+    return raw_k, raw_g, q, v, beta
+
+
+@triton.jit
 def _verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr,
     state_ptr, correction_ptr, key_gate_ptr, out_ptr,
@@ -50,6 +65,11 @@ def _verify_kernel(
     zero_from = tl.where(valid, SPEC_LEN, 0).to(tl.int64)
     if valid:
         processed = tl.minimum(window, SPEC_LEN)
+        k_rows = k_ptr + bos * stride_k_tok + h * stride_k_head + offs_k * stride_k_dim
+        g_rows = g_ptr + bos * stride_g_tok + h * stride_g_head + offs_k * stride_g_dim
+        q_rows = q_ptr + bos * stride_q_tok + h * stride_q_head + offs_k * stride_q_dim
+        v_rows = v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim
+        beta_at = beta_ptr + bos * stride_beta_tok + h * stride_beta_head
         state = tl.load(
             state_ptr + block * stride_s_blk + h * stride_s_head
             + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k,
@@ -60,35 +80,33 @@ def _verify_kernel(
                           mask=mask_k, other=0.0).to(tl.float32)
         corr_row = correction_ptr + block * stride_c_blk + h * stride_c_head + offs_v * stride_c_dim
         kg_row = key_gate_ptr + block * stride_kg_blk + h * stride_kg_head + offs_k * stride_kg_dim
-        for t in tl.static_range(SPEC_LEN):
-            live = t < processed
-            tok = bos + t
-            live_k = live_range(offs_k, K, live)
-            live_v = live_range(offs_v, V, live)
-            raw_k = tl.load(k_ptr + tok * stride_k_tok + h * stride_k_head + offs_k * stride_k_dim,
-                            mask=live_k, other=0.0)
-            raw_g = tl.load(g_ptr + tok * stride_g_tok + h * stride_g_head + offs_k * stride_g_dim,
-                            mask=live_k, other=0.0)
-            q = tl.load(q_ptr + tok * stride_q_tok + h * stride_q_head + offs_k * stride_q_dim,
-                        mask=live_k, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + tok * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim,
-                        mask=live_v, other=0.0).to(tl.float32)
-            beta = tl.load(beta_ptr + tok * stride_beta_tok + h * stride_beta_head,
-                           mask=live, other=0.0).to(tl.float32)
-
+        # Token t+1's inputs are requested before token t's stores and layout
+        # conversions (barriers), which the loads could not otherwise pass.
+        next_inputs = _token_inputs(0, processed, k_rows, g_rows, q_rows, v_rows, beta_at,
+                                    offs_k, offs_v, K, V, stride_k_tok, stride_g_tok,
+                                    stride_q_tok, stride_v_tok, stride_beta_tok)
+        for t in range(0, processed):
+            raw_k, raw_g, q, v, beta = next_inputs
+            next_inputs = _token_inputs(t + 1, processed, k_rows, g_rows, q_rows, v_rows,
+                                        beta_at, offs_k, offs_v, K, V, stride_k_tok,
+                                        stride_g_tok, stride_q_tok, stride_v_tok, stride_beta_tok)
             kn = l2_normalize(raw_k.to(tl.float32), 1.0)
+            qn = l2_normalize(q, scale)
             decay = tl.exp(kda_gate(raw_g.to(tl.float32), dt_bias, A, lower_bound, USE_LOWER_BOUND))
-            decayed = state * decay[None, :]
-            u = (v - tl.sum(decayed * kn[None, :], axis=1)) * tl.sigmoid(beta)
-            updated = decayed + u[:, None] * kn[None, :]
-            state = tl.where(live, updated, state)
-            out = tl.sum(state * l2_normalize(q, scale)[None, :], axis=1)
+            # With S the state before token t and D its decay:
+            #   u = beta (v - (S D) k),  out = (S D + u k^T) q = S (D q) + u (k . q),
+            # so both products read the undecayed S, independently of each other.
+            key_dot = tl.sum(state * (decay * kn)[None, :], axis=1)
+            query_dot = tl.sum(state * (decay * qn)[None, :], axis=1)
+            u = (v - key_dot) * tl.sigmoid(beta)
+            out = query_dot + u * tl.sum(kn * qn)
+            state = state * decay[None, :] + u[:, None] * kn[None, :]
 
-            tl.store(out_row + tok * stride_o_tok, out, mask=live_v)
-            tl.store(corr_row + t * stride_c_tok, u, mask=live_v)
+            tl.store(out_row + (bos + t) * stride_o_tok, out, mask=mask_v)
+            tl.store(corr_row + t * stride_c_tok, u, mask=mask_v)
             if pid_v == 0:
-                tl.store(kg_row + t * stride_kg_tok, raw_k, mask=live_k)
-                tl.store(kg_row + t * stride_kg_tok + K * stride_kg_dim, raw_g, mask=live_k)
+                tl.store(kg_row + t * stride_kg_tok, raw_k, mask=mask_k)
+                tl.store(kg_row + t * stride_kg_tok + K * stride_kg_dim, raw_g, mask=mask_k)
     zeros = tl.zeros([BV], dtype=tl.float32)
     for t in range(zero_from, window):
         tl.store(out_row + (bos + t) * stride_o_tok, zeros, mask=mask_v)
