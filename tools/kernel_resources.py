@@ -91,7 +91,8 @@ def main(argv=None):
     for T in (int(t) for t in args.spec_lens.split(",")):
         cases = {
             "verify": (verify_kernels._verify_kernel,
-                       dict(K=K, V=V, BK=K, BV=verify_bv, SPEC_LEN=T, USE_LOWER_BOUND=True),
+                       dict(K=K, V=V, BK=K, BV=verify_bv, SPEC_LEN=T, BT=triton.next_power_of_2(T),
+                            USE_LOWER_BOUND=True),
                        verify_warps),
             "commit_state": (commit_kernels._commit_state_kernel,
                              dict(K=K, V=V, BK=K, BV=commit_bv, NUM_HEADS=32, SPEC_LEN=T,
