@@ -4,7 +4,7 @@ One program per (V tile, request, head), in two phases. Phase 1 does the
 token-side work of the whole window at once (key and query normalisation, the
 gates, k.q) and writes it to a per-call workspace; phase 2 walks the tokens
 over the state tile, loading those vectors. The token-side reductions and
-exponentials thus stay out of the serial per-token chain, which measured 20-25%
+exponentials thus stay out of the serial per-token chain, which measured 15-19%
 faster at large batch on an H200 than doing them per token (docs/performance.md).
 """
 
