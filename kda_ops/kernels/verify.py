@@ -17,22 +17,6 @@ from .common import block_is_valid, kda_gate, l2_normalize
 
 
 @triton.jit
-def _token_vectors(t, vec_row, pair_at, v_rows, beta_at, mask_k, mask_v, BK,
-                   stride_v_tok, stride_beta_tok):
-    """Window token t's workspace row (decayed key, decayed query, decay, key),
-    its k.q, v and beta."""
-    row = vec_row + t * (4 * BK)
-    decayed_key = tl.load(row, mask=mask_k, other=0.0)
-    decayed_query = tl.load(row + BK, mask=mask_k, other=0.0)
-    decay = tl.load(row + 2 * BK, mask=mask_k, other=0.0)
-    key = tl.load(row + 3 * BK, mask=mask_k, other=0.0)
-    key_query = tl.load(pair_at + t)
-    v = tl.load(v_rows + t * stride_v_tok, mask=mask_v, other=0.0).to(tl.float32)
-    beta = tl.load(beta_at + t * stride_beta_tok).to(tl.float32)
-    return decayed_key, decayed_query, decay, key, key_query, v, beta
-
-
-@triton.jit
 def _verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr,
     state_ptr, correction_ptr, key_gate_ptr, out_ptr, vectors_ptr, key_query_ptr,
@@ -125,9 +109,14 @@ def _verify_kernel(
         ).to(tl.float32)
         corr_row = correction_ptr + block * stride_c_blk + h * stride_c_head + offs_v * stride_c_dim
         for t in range(0, processed):
-            decayed_key, decayed_query, decay, key, key_query, v, beta = _token_vectors(
-                t, vec_row, pair_at, v_rows, beta_at, mask_k, mask_v, BK, stride_v_tok,
-                stride_beta_tok)
+            row = vec_row + t * (4 * BK)
+            decayed_key = tl.load(row, mask=mask_k, other=0.0)
+            decayed_query = tl.load(row + BK, mask=mask_k, other=0.0)
+            decay = tl.load(row + 2 * BK, mask=mask_k, other=0.0)
+            key = tl.load(row + 3 * BK, mask=mask_k, other=0.0)
+            key_query = tl.load(pair_at + t)
+            v = tl.load(v_rows + t * stride_v_tok, mask=mask_v, other=0.0).to(tl.float32)
+            beta = tl.load(beta_at + t * stride_beta_tok).to(tl.float32)
             key_dot = tl.sum(state * decayed_key[None, :], axis=1)
             query_dot = tl.sum(state * decayed_query[None, :], axis=1)
             u = (v - key_dot) * tl.sigmoid(beta)
