@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of the kda_ops kernels on sm_90, offline.
 
     python tools/kernel_resources.py [--spec-lens 2,4,8] [--ttgir DIR]
+        [--verify-config BV,WARPS] [--commit-config BV,WARPS]
 
 Compiles the state kernels for an H100/H200 target without a GPU (Triton's
 compiler plus the ptxas it ships), at the benchmark's shapes (H = 32, K = V = 128,
@@ -84,10 +85,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec-lens", default="2,4,8")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
+    parser.add_argument("--verify-config", default=None,
+                        help="BV,WARPS of verify instead of the package's")
+    parser.add_argument("--commit-config", default=None,
+                        help="BV,WARPS of the commit fold instead of the package's")
     args = parser.parse_args(argv)
     K = V = 128
-    commit_bv, commit_warps = commit_kernels.commit_config(V)
-    verify_bv, verify_warps = verify_kernels.verify_config(V)
+    commit_bv, commit_warps = (tuple(int(x) for x in args.commit_config.split(","))
+                               if args.commit_config else commit_kernels.commit_config(V))
+    verify_bv, verify_warps = (tuple(int(x) for x in args.verify_config.split(","))
+                               if args.verify_config else verify_kernels.verify_config(V))
     for T in (int(t) for t in args.spec_lens.split(",")):
         cases = {
             "verify": (verify_kernels._verify_kernel,
