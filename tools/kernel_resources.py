@@ -10,8 +10,10 @@ uses, and prints what `ptxas -v` reports. Unit strides are specialised to 1
 and pointers and other strides marked 16-divisible, as at a real launch, so the
 layouts match what the GPU runs. A quick check before spending device time:
 spills or a register count that halves occupancy show up here. Written against
-Triton 3.9 (the CPU machine's); the device's Triton 3.6 compiles the same
-kernels with small differences, so confirm on the device what matters.
+Triton 3.9 (the CPU machine's). The device's Triton 3.6 can choose other
+layouts (3-D tiles: docs/performance.md, 2026-12-03); to see its code, run this
+tool from an environment made with `pip install 'torch==2.13.0' 'triton==3.6.0'`,
+with PYTHONPATH set to the checkout.
 """
 
 import argparse
