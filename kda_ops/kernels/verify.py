@@ -114,14 +114,13 @@ def _verify_kernel(
         # reading the same keys: they then arrive in the tile's layout, where a
         # `[BK]` load would need a layout conversion (shared memory, barriers) per
         # token and vector.
-        keys_at = offs_k[None, :] + offs_v[:, None] * 0
-        keys_valid = keys_at < K
+        keys_at = tl.broadcast_to(offs_k[None, :], (BV, BK))
         for t in range(0, processed):
             row = vec_base + t * (4 * BK) + keys_at
-            decayed_key = tl.load(row, mask=keys_valid, other=0.0)
-            decayed_query = tl.load(row + BK, mask=keys_valid, other=0.0)
-            decay = tl.load(row + 2 * BK, mask=keys_valid, other=0.0)
-            key = tl.load(row + 3 * BK, mask=keys_valid, other=0.0)
+            decayed_key = tl.load(row, mask=mask_k[None, :], other=0.0)
+            decayed_query = tl.load(row + BK, mask=mask_k[None, :], other=0.0)
+            decay = tl.load(row + 2 * BK, mask=mask_k[None, :], other=0.0)
+            key = tl.load(row + 3 * BK, mask=mask_k[None, :], other=0.0)
             key_query = tl.load(pair_at + t)
             v = tl.load(v_rows + t * stride_v_tok, mask=mask_v, other=0.0).to(tl.float32)
             beta = tl.load(beta_at + t * stride_beta_tok).to(tl.float32)
