@@ -117,6 +117,15 @@ def test_verify_long_window(device, lower_bound, decay_shift):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("K", [64, 72])
+def test_verify_key_chunks(device, K):
+    """K above the kernel's 32-key chunk: two full chunks (K = 64), and K = 72,
+    whose tile has a partial third chunk and an all-padding fourth one."""
+    args, buffers = make_problem(device, K=K, V=40, seed=11)
+    check_against_oracle(args, buffers, None, lower_bound=-5.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_verify_layouts(device):
     """Leading dim of 1, flat dt_bias, non-power-of-two head dims, T = 1."""
     args, buffers = make_problem(device, leading_one=True, flat_dt_bias=True, K=12, V=10, seed=3)

@@ -88,20 +88,21 @@ def main(argv=None):
     parser.add_argument("--spec-lens", default="2,4,8")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
     parser.add_argument("--verify-config", default=None,
-                        help="BV,WARPS of verify instead of the package's")
+                        help="BV,KEY_CHUNK,WARPS of verify instead of the package's")
     parser.add_argument("--commit-config", default=None,
                         help="BV,WARPS of the commit fold instead of the package's")
     args = parser.parse_args(argv)
     K = V = 128
     commit_bv, commit_warps = (tuple(int(x) for x in args.commit_config.split(","))
                                if args.commit_config else commit_kernels.commit_config(V))
-    verify_bv, verify_warps = (tuple(int(x) for x in args.verify_config.split(","))
-                               if args.verify_config else verify_kernels.verify_config(V))
+    verify_bv, verify_chunk, verify_warps = (
+        tuple(int(x) for x in args.verify_config.split(","))
+        if args.verify_config else verify_kernels.verify_config(K, V))
     for T in (int(t) for t in args.spec_lens.split(",")):
         cases = {
             "verify": (verify_kernels._verify_kernel,
                        dict(K=K, V=V, BK=K, BV=verify_bv, SPEC_LEN=T, BT=triton.next_power_of_2(T),
-                            USE_LOWER_BOUND=True),
+                            USE_LOWER_BOUND=True, KEY_CHUNK=verify_chunk),
                        verify_warps),
             "commit_state": (commit_kernels._commit_state_kernel,
                              dict(K=K, V=V, BK=K, BV=commit_bv, NUM_HEADS=32, SPEC_LEN=T,

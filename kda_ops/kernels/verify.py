@@ -7,7 +7,10 @@ over the state tile, loading those vectors. The token-side reductions and
 exponentials thus stay out of the serial per-token chain, which measured 15-19%
 faster at large batch on an H200 than doing them per token. Phase 2 loads each
 vector at the state tile's shape, so no layout conversion is left in the token
-loop: 5-15% faster again at B >= 32 (docs/performance.md).
+loop: 5-15% faster again at B >= 32. The state tile is held as
+`[BK / KEY_CHUNK * BV, KEY_CHUNK]` (chunk-major): a row's products then reduce
+mostly inside a thread, with 3 shuffle rounds instead of 5, another 7-29%
+(docs/performance.md).
 """
 
 import torch
@@ -37,6 +40,7 @@ def _verify_kernel(
     stride_query_start, stride_state_indices,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPEC_LEN: tl.constexpr, BT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    KEY_CHUNK: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 scalars; the arithmetic is fp32.
     lower_bound = tl.cast(lower_bound, tl.float32)
@@ -104,31 +108,44 @@ def _verify_kernel(
         # so both products read S independently; then S <- S D + u k^T.
         v_rows = v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim
         beta_at = beta_ptr + bos * stride_beta_tok + h * stride_beta_head
+        # The state tile is split into key chunks stacked chunk-major: slot
+        # c * BV + r holds row r's keys [c * KEY_CHUNK, (c + 1) * KEY_CHUNK).
+        # With 32-key chunks a warp spans 4 rows x 32 keys and each thread holds
+        # all chunks of its rows, so a row's dot product is summed in registers
+        # and then over 8 lanes; the [BV, BK] tile spread each row over 32 lanes.
+        # A 3-D [BV, chunks, KEY_CHUNK] tile would do it too, but Triton 3.6 and
+        # 3.9 lay that one out differently; this 2-D one they lay out alike.
+        NUM_CHUNKS: tl.constexpr = BK // KEY_CHUNK
+        slots = tl.arange(0, NUM_CHUNKS * BV)
+        slot_rows = pid_v * BV + slots % BV
+        slot_keys = (slots // BV)[:, None] * KEY_CHUNK + tl.arange(0, KEY_CHUNK)[None, :]
+        slot_mask = (slot_rows < V)[:, None] & (slot_keys < K)
         state = tl.load(
             state_ptr + block * stride_s_blk + h * stride_s_head
-            + offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k,
-            mask=mask_v[:, None] & mask_k[None, :], other=0.0,
+            + slot_rows[:, None] * stride_s_v + slot_keys * stride_s_k,
+            mask=slot_mask, other=0.0,
         ).to(tl.float32)
         corr_row = correction_ptr + block * stride_c_blk + h * stride_c_head + offs_v * stride_c_dim
         # The workspace vectors are loaded at the state tile's shape, every row
         # reading the same keys: they then arrive in the tile's layout, where a
         # `[BK]` load would need a layout conversion (shared memory, barriers) per
         # token and vector.
-        keys_at = tl.broadcast_to(offs_k[None, :], (BV, BK))
+        slot_key_mask = slot_keys < K
         for t in range(0, processed):
-            row = vec_base + t * (4 * BK) + keys_at
-            decayed_key = tl.load(row, mask=mask_k[None, :], other=0.0)
-            decayed_query = tl.load(row + BK, mask=mask_k[None, :], other=0.0)
-            decay = tl.load(row + 2 * BK, mask=mask_k[None, :], other=0.0)
-            key = tl.load(row + 3 * BK, mask=mask_k[None, :], other=0.0)
+            row = vec_base + t * (4 * BK) + slot_keys
+            decayed_key = tl.load(row, mask=slot_key_mask, other=0.0)
+            decayed_query = tl.load(row + BK, mask=slot_key_mask, other=0.0)
+            decay = tl.load(row + 2 * BK, mask=slot_key_mask, other=0.0)
+            key = tl.load(row + 3 * BK, mask=slot_key_mask, other=0.0)
             key_query = tl.load(pair_at + t)
             v = tl.load(v_rows + t * stride_v_tok, mask=mask_v, other=0.0).to(tl.float32)
             beta = tl.load(beta_at + t * stride_beta_tok).to(tl.float32)
-            key_dot = tl.sum(state * decayed_key, axis=1)
-            query_dot = tl.sum(state * decayed_query, axis=1)
+            key_dot = _row_dot(state * decayed_key, NUM_CHUNKS, BV, KEY_CHUNK)
+            query_dot = _row_dot(state * decayed_query, NUM_CHUNKS, BV, KEY_CHUNK)
             u = (v - key_dot) * tl.sigmoid(beta)
             out = query_dot + u * key_query
-            state = state * decay + u[:, None] * key
+            u_slots = tl.reshape(tl.broadcast_to(u[None, :], (NUM_CHUNKS, BV)), [NUM_CHUNKS * BV])
+            state = state * decay + u_slots[:, None] * key
             tl.store(out_row + (bos + t) * stride_o_tok, out, mask=mask_v)
             tl.store(corr_row + t * stride_c_tok, u, mask=mask_v)
     zeros = tl.zeros([BV], dtype=tl.float32)
@@ -141,9 +158,17 @@ def _token_strides(t):
     return t.stride()[-3:]
 
 
-def verify_config(value_dim):
-    """(BV, num_warps) of the verify kernel (measured best on an H200)."""
-    return min(triton.next_power_of_2(value_dim), 32), 4
+@triton.jit
+def _row_dot(products, NUM_CHUNKS: tl.constexpr, BV: tl.constexpr, KEY_CHUNK: tl.constexpr):
+    """Per-row sums of a chunk-major `[NUM_CHUNKS * BV, KEY_CHUNK]` tile: the
+    chunks first (in registers), then the keys of a chunk (across lanes)."""
+    return tl.sum(tl.sum(tl.reshape(products, [NUM_CHUNKS, BV, KEY_CHUNK]), axis=0), axis=1)
+
+
+def verify_config(key_dim, value_dim):
+    """(BV, KEY_CHUNK, num_warps) of the verify kernel (measured best on an H200)."""
+    return (min(triton.next_power_of_2(value_dim), 32),
+            min(triton.next_power_of_2(key_dim), 32), 4)
 
 
 def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -152,7 +177,7 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         return
     num_heads, K, V = dims.num_heads, dims.key_dim, dims.value_dim
     BK = triton.next_power_of_2(K)
-    BV, num_warps = verify_config(V)
+    BV, key_chunk, num_warps = verify_config(K, V)
     dt_strides = (dt_bias.stride(0), dt_bias.stride(1)) if dt_bias.dim() == 2 else (
         K * dt_bias.stride(0), dt_bias.stride(0))
     grid = (triton.cdiv(V, BV), dims.batch, num_heads)
@@ -172,6 +197,6 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         *state.stride(), *correction.stride(), *key_gate.stride(), *_token_strides(out),
         query_start_loc.stride(0), state_indices.stride(0),
         K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT,
-        USE_LOWER_BOUND=lower_bound is not None,
+        USE_LOWER_BOUND=lower_bound is not None, KEY_CHUNK=key_chunk,
         num_warps=num_warps,
     )
