@@ -9,7 +9,7 @@ faster at large batch on an H200 than doing them per token. Phase 2 loads each
 vector at the state tile's shape, so no layout conversion is left in the token
 loop: 5-15% faster again at B >= 32. The state tile is held as
 `[BK / KEY_CHUNK * BV, KEY_CHUNK]` (chunk-major): a row's products then reduce
-mostly inside a thread, with 3 shuffle rounds instead of 5, another 7-29%
+mostly inside a thread, with 3 shuffle rounds instead of 5: 3-29% faster again
 (docs/performance.md).
 """
 
@@ -119,18 +119,17 @@ def _verify_kernel(
         slots = tl.arange(0, NUM_CHUNKS * BV)
         slot_rows = pid_v * BV + slots % BV
         slot_keys = (slots // BV)[:, None] * KEY_CHUNK + tl.arange(0, KEY_CHUNK)[None, :]
-        slot_mask = (slot_rows < V)[:, None] & (slot_keys < K)
+        slot_key_mask = slot_keys < K
         state = tl.load(
             state_ptr + block * stride_s_blk + h * stride_s_head
             + slot_rows[:, None] * stride_s_v + slot_keys * stride_s_k,
-            mask=slot_mask, other=0.0,
+            mask=(slot_rows < V)[:, None] & slot_key_mask, other=0.0,
         ).to(tl.float32)
         corr_row = correction_ptr + block * stride_c_blk + h * stride_c_head + offs_v * stride_c_dim
         # The workspace vectors are loaded at the state tile's shape, every row
         # reading the same keys: they then arrive in the tile's layout, where a
         # `[BK]` load would need a layout conversion (shared memory, barriers) per
         # token and vector.
-        slot_key_mask = slot_keys < K
         for t in range(0, processed):
             row = vec_base + t * (4 * BK) + slot_keys
             decayed_key = tl.load(row, mask=slot_key_mask, other=0.0)
