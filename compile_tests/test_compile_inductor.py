@@ -83,6 +83,18 @@ def test_inductor_matches_eager_cuda(dtype, num_layers):
 
 
 @requires_cuda
+def test_dynamic_batch_across_verify_tile_grouping_cuda():
+    """V = 64 and 8 heads: batch x heads crosses verify's two-tile threshold
+    (256) at batch 32, inside 1..64. A symbolic batch must not guard on it:
+    still at most two compiles."""
+    model = tiny_model("cuda", num_blocks=72, num_layers=1, num_heads=8, head_dim=64)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model.decode_step, backend=counter, fullgraph=True)
+    run_batches_1_to_64(model, compiled, mark_dynamic=True, check_every=7)
+    assert counter.frame_count <= 2, f"{counter.frame_count} compiles"
+
+
+@requires_cuda
 @pytest.mark.parametrize("num_layers", LAYER_COUNTS)
 def test_dynamic_batch_and_tokens_cuda(num_layers):
     """Batch sizes 1..64 through Inductor on CUDA: at most two compiles."""

@@ -5,6 +5,7 @@ import torch
 
 import kda_ops
 from kda_ops import naive
+from kda_ops.kernels.verify import verify_config
 
 from helpers import (DEVICES, INTERPRET, assert_rel_close, guarded, outside, query_start_loc,
                      raises_missing_out)
@@ -122,6 +123,16 @@ def test_verify_key_chunks(device, K):
     """K above the kernel's 32-key chunk: two full chunks (K = 64), and K = 72,
     whose tile has a partial third chunk and an all-padding fourth one."""
     args, buffers = make_problem(device, K=K, V=40, seed=11)
+    check_against_oracle(args, buffers, None, lower_bound=-5.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_two_tiles_per_program(device):
+    """Enough (request, head) pairs that one program walks two V tiles: V = 72
+    is three 32-row tiles, so the second program's second tile is all padding."""
+    H, lens = 32, (1, 3, 4, 2, 0, 6, 2, 1)
+    assert verify_config(16, 72, len(lens) * H)[2] == 2, "the two-tile path is not taken"
+    args, buffers = make_problem(device, H=H, K=16, V=72, lens=lens, seed=12)
     check_against_oracle(args, buffers, None, lower_bound=-5.0)
 
 
