@@ -11,7 +11,7 @@ loop: 5-15% faster again at B >= 32. The state tile is held as
 `[BK / KEY_CHUNK * BV, KEY_CHUNK]` (chunk-major): a row's products then reduce
 mostly inside a thread, with 3 shuffle rounds instead of 5: 3-29% faster again.
 When enough (request, head) pairs are in flight, one program walks two V tiles
-after a single phase 1, which halves that work: 6-13% faster again at
+after a single phase 1, which halves that work: 4-15% faster again at
 B >= 64 (docs/performance.md).
 """
 
@@ -175,8 +175,8 @@ def _row_dot(products, NUM_CHUNKS: tl.constexpr, BV: tl.constexpr, KEY_CHUNK: tl
 
 
 # At or above this many (request, head) pairs a program takes two V tiles: from
-# B * H = 256 on an H200 (H = 32) that was faster (B = 8: 6-10%, B >= 64:
-# 6-13%), below it the halved number of programs was slower (B = 1: 45-81%).
+# B * H = 256 on an H200 (H = 32) that was faster (B = 8: 5-10%, B >= 64:
+# 4-15%), below it the halved number of programs was slower (B = 1: 45-81%).
 # A symbolic batch (torch.compile with dynamic shapes, torch.export) takes one
 # tile per program unless its range proves the bound: deciding would add a guard.
 TWO_TILES_FROM_HEADS = 256
