@@ -131,8 +131,24 @@ def test_verify_two_tiles_per_program(device):
     """Enough (request, head) pairs that one program walks two V tiles: V = 72
     is three 32-row tiles, so the second program's second tile is all padding."""
     H, lens = 32, (1, 3, 4, 2, 0, 6, 2, 1)
-    assert verify_config(16, 72, len(lens) * H)[2] == 2, "the two-tile path is not taken"
+    _, _, v_tiles, unroll, _ = verify_config(16, 72, len(lens) * H, 4)
+    assert (v_tiles, unroll) == (2, True), "the two-tile unrolled path is not taken"
     args, buffers = make_problem(device, H=H, K=16, V=72, lens=lens, seed=12)
+    check_against_oracle(args, buffers, None, lower_bound=-5.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T, heads, unrolled", [(8, 4, True), (8, 32, False), (12, 4, False)])
+def test_verify_token_loop_forms(device, T, heads, unrolled):
+    """The unrolled token loop (it also runs the tokens past a short window, and
+    must neither read past the tokens nor store them) and the runtime loop,
+    with one and two V tiles per program (the two-tile test above covers the
+    unrolled loop with two); windows of 0, 1, 2, 3, T - 1, T and T + 2 tokens."""
+    lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
+    _, _, v_tiles, unroll, _ = verify_config(16, 40, len(lens) * heads, T)
+    assert (v_tiles, unroll) == (2 if heads == 32 else 1, unrolled), "another kernel form is taken"
+    args, buffers = make_problem(device, H=heads, K=16, V=40, T=T, N=len(lens) + 1, lens=lens,
+                                 indices=tuple(range(1, len(lens) + 1)), seed=13 + T)
     check_against_oracle(args, buffers, None, lower_bound=-5.0)
 
 

@@ -12,7 +12,12 @@ loop: 5-15% faster again at B >= 32. The state tile is held as
 mostly inside a thread, with 3 shuffle rounds instead of 5: 3-29% faster again.
 When enough (request, head) pairs are in flight, one program walks two V tiles
 after a single phase 1, which halves that work: 4-15% faster again at
-B >= 64 (docs/performance.md).
+B >= 64. The workspace holds three vectors per token (decay, key, query; the
+decay is applied to the state first), each token's outputs are stored once
+after the token loop instead of through a layout conversion per token, the
+first state tile is loaded before phase 1, and short windows unroll the token
+loop: 4-32% faster again at B <= 64, up to 3% slower at B >= 128, T = 2 and 4
+(docs/performance.md).
 """
 
 import torch
@@ -21,7 +26,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import wrap_triton
 
-from .common import block_is_valid, kda_gate, l2_normalize
+from .common import block_is_valid, kda_gate, l2_normalize, live_range
 
 
 @triton.jit
@@ -43,7 +48,7 @@ def _verify_kernel(
     stride_query_start, stride_state_indices,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPEC_LEN: tl.constexpr, BT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-    KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr,
+    KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr, UNROLL_TOKENS: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 scalars; the arithmetic is fp32.
     lower_bound = tl.cast(lower_bound, tl.float32)
@@ -65,7 +70,16 @@ def _verify_kernel(
     zero_from = tl.where(valid, SPEC_LEN, 0).to(tl.int64)
     if valid:
         processed = tl.minimum(window, SPEC_LEN)
-        # Phase 1: every token's normalised key and query and its decay, all
+        # The first state tile is requested before phase 1, so that its latency
+        # overlaps phase 1's loads and arithmetic.
+        NUM_CHUNKS: tl.constexpr = BK // KEY_CHUNK
+        slots = tl.arange(0, NUM_CHUNKS * BV)
+        slot_keys = (slots // BV)[:, None] * KEY_CHUNK + tl.arange(0, KEY_CHUNK)[None, :]
+        slot_key_mask = slot_keys < K
+        state_head = state_ptr + block * stride_s_blk + h * stride_s_head
+        state = _load_state_tile(state_head, first_tile, slots, slot_keys, slot_key_mask,
+                                 stride_s_v, stride_s_k, V, BV)
+        # Phase 1: every token's decay and normalised key and query, all
         # tokens at once, into this (request, head)'s workspace rows. The token
         # loop below then only loads them, in the state tile's layout, instead of
         # reducing and converting layouts (barriers) inside its serial chain.
@@ -87,14 +101,15 @@ def _verify_kernel(
         decays = tl.exp(kda_gate(raw_g.to(tl.float32), dt_bias[None, :], A, lower_bound,
                                  USE_LOWER_BOUND))
         head_row = b * tl.num_programs(2) + h
-        vec_base = vectors_ptr + head_row * (BT * 4 * BK)
-        vec_tile = vec_base + offs_k[None, :] + steps[:, None] * (4 * BK)
-        tl.store(vec_tile, decays * keys, mask=tile_mask)
-        tl.store(vec_tile + BK, decays * queries, mask=tile_mask)
-        tl.store(vec_tile + 2 * BK, decays, mask=tile_mask)
-        tl.store(vec_tile + 3 * BK, keys, mask=tile_mask)
+        vec_base = vectors_ptr + head_row * (BT * 3 * BK)
+        # All BT rows are written: past the window (and past K) they hold what
+        # zero inputs give, finite, for the unrolled token loop to run over.
+        vec_tile = vec_base + offs_k[None, :] + steps[:, None] * (3 * BK)
+        tl.store(vec_tile, decays)
+        tl.store(vec_tile + BK, keys)
+        tl.store(vec_tile + 2 * BK, queries)
         pair_at = key_query_ptr + head_row * BT
-        tl.store(pair_at + steps, tl.sum(keys * queries, axis=1), mask=steps < processed)
+        tl.store(pair_at + steps, tl.sum(keys * queries, axis=1))
         if tl.program_id(0) == 0:
             kg_tile = (key_gate_ptr + block * stride_kg_blk + h * stride_kg_head
                        + steps[:, None] * stride_kg_tok + offs_k[None, :] * stride_kg_dim)
@@ -103,9 +118,11 @@ def _verify_kernel(
         tl.debug_barrier()  # the workspace rows are written before any thread reads them
 
         # Phase 2: the recurrence over the state tile. With S the state before
-        # token t and D its decay:
-        #   u = beta (v - S (D k)),  out = (S D + u k^T) q = S (D q) + u (k . q),
-        # so both products read S independently; then S <- S D + u k^T.
+        # token t and D its decay, S' = S D:
+        #   u = beta (v - S' k),  out = (S' + u k^T) q = S' q + u (k . q),
+        # so both products read S' independently; then S <- S' + u k^T. Applying
+        # D to the state first needs one workspace vector fewer per token than
+        # products with D k and D q (the same multiplications): less L1 traffic.
         # The state tile is split into key chunks stacked chunk-major: slot
         # c * BV + r holds row r's keys [c * KEY_CHUNK, (c + 1) * KEY_CHUNK).
         # With 32-key chunks a warp spans 4 rows x 32 keys and each thread holds
@@ -113,11 +130,7 @@ def _verify_kernel(
         # and then over 8 lanes; the [BV, BK] tile spread each row over 32 lanes.
         # A 3-D [BV, chunks, KEY_CHUNK] tile would do it too, but Triton 3.6 and
         # 3.9 lay that one out differently; this 2-D one they lay out alike.
-        NUM_CHUNKS: tl.constexpr = BK // KEY_CHUNK
         beta_at = beta_ptr + bos * stride_beta_tok + h * stride_beta_head
-        slots = tl.arange(0, NUM_CHUNKS * BV)
-        slot_keys = (slots // BV)[:, None] * KEY_CHUNK + tl.arange(0, KEY_CHUNK)[None, :]
-        slot_key_mask = slot_keys < K
         # Unrolled over the group, and the zero stores below form their offsets
         # inside their own loop: with one tile the kernel then compiles to the
         # code it had before tiles were grouped (Triton 3.6: 74 registers, the
@@ -128,38 +141,35 @@ def _verify_kernel(
             tile = first_tile + tile_in_group
             offs_v = tile * BV + tl.arange(0, BV)
             mask_v = offs_v < V
-            out_row = out_ptr + h * stride_o_head + offs_v * stride_o_dim
             v_rows = v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim
-            slot_rows = tile * BV + slots % BV
-            state = tl.load(
-                state_ptr + block * stride_s_blk + h * stride_s_head
-                + slot_rows[:, None] * stride_s_v + slot_keys * stride_s_k,
-                mask=(slot_rows < V)[:, None] & slot_key_mask, other=0.0,
-            ).to(tl.float32)
-            corr_row = (correction_ptr + block * stride_c_blk + h * stride_c_head
-                        + offs_v * stride_c_dim)
-            # The workspace vectors are loaded at the state tile's shape, every
-            # row reading the same keys: they then arrive in the tile's layout,
-            # where a `[BK]` load would need a layout conversion (shared memory,
-            # barriers) per token and vector.
-            for t in range(0, processed):
-                row = vec_base + t * (4 * BK) + slot_keys
-                decayed_key = tl.load(row, mask=slot_key_mask, other=0.0)
-                decayed_query = tl.load(row + BK, mask=slot_key_mask, other=0.0)
-                decay = tl.load(row + 2 * BK, mask=slot_key_mask, other=0.0)
-                key = tl.load(row + 3 * BK, mask=slot_key_mask, other=0.0)
-                key_query = tl.load(pair_at + t)
-                v = tl.load(v_rows + t * stride_v_tok, mask=mask_v, other=0.0).to(tl.float32)
-                beta = tl.load(beta_at + t * stride_beta_tok).to(tl.float32)
-                key_dot = _row_dot(state * decayed_key, NUM_CHUNKS, BV, KEY_CHUNK)
-                query_dot = _row_dot(state * decayed_query, NUM_CHUNKS, BV, KEY_CHUNK)
-                u = (v - key_dot) * tl.sigmoid(beta)
-                out = query_dot + u * key_query
-                u_slots = tl.reshape(tl.broadcast_to(u[None, :], (NUM_CHUNKS, BV)),
-                                     [NUM_CHUNKS * BV])
-                state = state * decay + u_slots[:, None] * key
-                tl.store(out_row + (bos + t) * stride_o_tok, out, mask=mask_v)
-                tl.store(corr_row + t * stride_c_tok, u, mask=mask_v)
+            if tile_in_group > 0:
+                state = _load_state_tile(state_head, tile, slots, slot_keys, slot_key_mask,
+                                         stride_s_v, stride_s_k, V, BV)
+            # Each token's outputs are kept in `[BV, BT]` tiles, in the layout
+            # the row sums come in, and stored once after the loop: a store per
+            # token needed a layout conversion through shared memory (four
+            # barriers per token).
+            tile_steps = tl.arange(0, BT)
+            outs = tl.zeros([BV, BT], dtype=tl.float32)
+            corrections = tl.zeros([BV, BT], dtype=tl.float32)
+            if UNROLL_TOKENS:
+                for t in tl.static_range(SPEC_LEN):
+                    state, outs, corrections = _token_step(
+                        state, outs, corrections, t, t < processed, tile_steps,
+                        vec_base, slot_keys, slot_key_mask, pair_at, v_rows, offs_v, beta_at,
+                        stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK)
+            else:
+                for t in range(0, processed):
+                    state, outs, corrections = _token_step(
+                        state, outs, corrections, t, t < processed, tile_steps,
+                        vec_base, slot_keys, slot_key_mask, pair_at, v_rows, offs_v, beta_at,
+                        stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK)
+            step_mask = mask_v[:, None] & (tile_steps < processed)[None, :]
+            tl.store(out_ptr + (bos + tile_steps[None, :]) * stride_o_tok + h * stride_o_head
+                     + offs_v[:, None] * stride_o_dim, outs, mask=step_mask)
+            tl.store(correction_ptr + block * stride_c_blk + h * stride_c_head
+                     + tile_steps[None, :] * stride_c_tok + offs_v[:, None] * stride_c_dim,
+                     corrections, mask=step_mask)
     for t in range(zero_from, window):
         # Formed here, in a rarely taken loop, so that nothing of it is held
         # across phase 2 (see the tile loop).
@@ -171,6 +181,47 @@ def _verify_kernel(
 def _token_strides(t):
     """Strides of the (token, head, dim) axes of a `[(1,) tokens, H, D]` tensor."""
     return t.stride()[-3:]
+
+
+@triton.jit
+def _load_state_tile(state_head, tile, slots, slot_keys, slot_key_mask, stride_s_v, stride_s_k,
+                     V: tl.constexpr, BV: tl.constexpr):
+    """One `[BV, K]` tile of a head's state, chunk-major (see phase 2), in fp32."""
+    slot_rows = tile * BV + slots % BV
+    return tl.load(state_head + slot_rows[:, None] * stride_s_v + slot_keys * stride_s_k,
+                   mask=(slot_rows < V)[:, None] & slot_key_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _token_step(state, outs, corrections, t, live, tile_steps,
+                vec_base, slot_keys, slot_key_mask, pair_at, v_rows, offs_v, beta_at,
+                stride_v_tok, stride_beta_tok, V: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, NUM_CHUNKS: tl.constexpr, KEY_CHUNK: tl.constexpr):
+    """Token t over the state tile: returns the next state and the output and
+    correction tiles with column t filled. An unrolled loop runs every token of
+    the capacity; `live` (t inside the window) keeps the ones past the window
+    from reading v and beta out of bounds; what they compute (finite, from the
+    workspace's zero-input rows) is never stored.
+    The workspace vectors are loaded at the state tile's shape, every row
+    reading the same keys: they then arrive in the tile's layout, where a
+    `[BK]` load would need a layout conversion (shared memory, barriers)."""
+    row = vec_base + t * (3 * BK) + slot_keys
+    decay = tl.load(row, mask=slot_key_mask, other=0.0)
+    key = tl.load(row + BK, mask=slot_key_mask, other=0.0)
+    query = tl.load(row + 2 * BK, mask=slot_key_mask, other=0.0)
+    key_query = tl.load(pair_at + t)
+    v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, live),
+                other=0.0).to(tl.float32)
+    beta = tl.load(beta_at + t * stride_beta_tok, mask=live, other=0.0).to(tl.float32)
+    state = state * decay
+    key_dot = _row_dot(state * key, NUM_CHUNKS, BV, KEY_CHUNK)
+    query_dot = _row_dot(state * query, NUM_CHUNKS, BV, KEY_CHUNK)
+    u = (v - key_dot) * tl.sigmoid(beta)
+    out = query_dot + u * key_query
+    u_slots = tl.reshape(tl.broadcast_to(u[None, :], (NUM_CHUNKS, BV)), [NUM_CHUNKS * BV])
+    state = state + u_slots[:, None] * key
+    is_t = tile_steps[None, :] == t
+    return state, tl.where(is_t, out[:, None], outs), tl.where(is_t, u[:, None], corrections)
 
 
 @triton.jit
@@ -187,13 +238,22 @@ def _row_dot(products, NUM_CHUNKS: tl.constexpr, BV: tl.constexpr, KEY_CHUNK: tl
 # tile per program unless its range proves the bound: deciding would add a guard.
 TWO_TILES_FROM_HEADS = 256
 
+# The token loop is unrolled up to this many tokens (spec_len), and with one
+# tile per program up to UNROLL_ONE_TILE_UP_TO. Measured on an H200 (H = 32,
+# K = V = 128): unrolled, T = 4 was 0-24% faster at every batch and T = 8 with
+# one tile per program 1-27%; T = 8 with two tiles per program was 14-29% slower
+# (more registers), T = 2 as fast or up to 2% slower at B >= 128.
+UNROLL_UP_TO = 4
+UNROLL_ONE_TILE_UP_TO = 8
 
-def verify_config(key_dim, value_dim, request_heads):
-    """(BV, KEY_CHUNK, V_TILES, num_warps) of the verify kernel (measured best on
-    an H200) for `request_heads` = batch * heads."""
+
+def verify_config(key_dim, value_dim, request_heads, spec_len):
+    """(BV, KEY_CHUNK, V_TILES, UNROLL_TOKENS, num_warps) of the verify kernel
+    (measured best on an H200) for `request_heads` = batch * heads."""
     BV = min(triton.next_power_of_2(value_dim), 32)
     two_tiles = value_dim > BV and statically_known_true(request_heads >= TWO_TILES_FROM_HEADS)
-    return BV, min(triton.next_power_of_2(key_dim), 32), 2 if two_tiles else 1, 4
+    unroll = spec_len <= (UNROLL_UP_TO if two_tiles else UNROLL_ONE_TILE_UP_TO)
+    return BV, min(triton.next_power_of_2(key_dim), 32), 2 if two_tiles else 1, unroll, 4
 
 
 def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -202,13 +262,14 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         return
     num_heads, K, V = dims.num_heads, dims.key_dim, dims.value_dim
     BK = triton.next_power_of_2(K)
-    BV, key_chunk, v_tiles, num_warps = verify_config(K, V, dims.batch * num_heads)
+    BV, key_chunk, v_tiles, unroll, num_warps = verify_config(K, V, dims.batch * num_heads,
+                                                              dims.spec_len)
     dt_strides = (dt_bias.stride(0), dt_bias.stride(1)) if dt_bias.dim() == 2 else (
         K * dt_bias.stride(0), dt_bias.stride(0))
     grid = (triton.cdiv(triton.cdiv(V, BV), v_tiles), dims.batch, num_heads)
-    # Per (request, head, token): decayed key, decayed query, decay, key; and k.q.
+    # Per (request, head, token): decay, key, query; and k.q.
     BT = triton.next_power_of_2(dims.spec_len)
-    vectors = torch.empty((dims.batch, num_heads, BT, 4 * BK), device=q.device,
+    vectors = torch.empty((dims.batch, num_heads, BT, 3 * BK), device=q.device,
                           dtype=torch.float32)
     key_query = torch.empty((dims.batch, num_heads, BT), device=q.device, dtype=torch.float32)
     wrap_triton(_verify_kernel)[grid](
@@ -223,5 +284,6 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         query_start_loc.stride(0), state_indices.stride(0),
         K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT,
         USE_LOWER_BOUND=lower_bound is not None, KEY_CHUNK=key_chunk, V_TILES=v_tiles,
+        UNROLL_TOKENS=unroll,
         num_warps=num_warps,
     )
