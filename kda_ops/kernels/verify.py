@@ -16,7 +16,8 @@ B >= 64. The workspace holds three vectors per token (decay, key, query; the
 decay is applied to the state first), each token's outputs are stored once
 after the token loop instead of through a layout conversion per token, the
 first state tile is loaded before phase 1, and short windows unroll the token
-loop: 4-32% faster again at B <= 64, up to 3% slower at B >= 128, T = 2 and 4
+loop: 10-31% faster again at B <= 32, 1-13% at B = 64, 9% at T = 8 from
+B = 128; at T = 2 and 4 from B = 128 between 1% faster and 4% slower
 (docs/performance.md).
 """
 
@@ -132,11 +133,10 @@ def _verify_kernel(
         # 3.9 lay that one out differently; this 2-D one they lay out alike.
         beta_at = beta_ptr + bos * stride_beta_tok + h * stride_beta_head
         # Unrolled over the group, and the zero stores below form their offsets
-        # inside their own loop: with one tile the kernel then compiles to the
-        # code it had before tiles were grouped (Triton 3.6: 74 registers, the
-        # same token loop). A runtime tile loop with the zero-store offsets
-        # formed up front took 87-91 registers and was 4-7% slower at B = 1,
-        # T = 4 and 8 on the H200.
+        # inside their own loop, so that nothing of either is held across the
+        # token loop: a runtime tile loop with the zero-store offsets formed up
+        # front took 13-17 registers more and was 4-7% slower at B = 1, T = 4
+        # and 8 on the H200 (seventh session).
         for tile_in_group in tl.static_range(V_TILES):
             tile = first_tile + tile_in_group
             offs_v = tile * BV + tl.arange(0, BV)
@@ -240,9 +240,10 @@ TWO_TILES_FROM_HEADS = 256
 
 # The token loop is unrolled up to this many tokens (spec_len), and with one
 # tile per program up to UNROLL_ONE_TILE_UP_TO. Measured on an H200 (H = 32,
-# K = V = 128): unrolled, T = 4 was 0-24% faster at every batch and T = 8 with
-# one tile per program 1-27%; T = 8 with two tiles per program was 14-29% slower
-# (more registers), T = 2 as fast or up to 2% slower at B >= 128.
+# K = V = 128, B = 1..256), unrolled against the runtime loop: with two tiles
+# per program T = 2 and 4 were 0-12% faster and T = 8 14-29% slower (128 against
+# 187 registers); with one tile T = 4 and 8 were 1-35% faster, T = 2 6-8% faster
+# up to B = 8 and 1-7% slower from B = 32 (a dynamic batch's case).
 UNROLL_UP_TO = 4
 UNROLL_ONE_TILE_UP_TO = 8
 
