@@ -149,26 +149,25 @@ def _verify_kernel(
             # the row sums come in, and stored once after the loop: a store per
             # token needed a layout conversion through shared memory (four
             # barriers per token).
-            tile_steps = tl.arange(0, BT)
             outs = tl.zeros([BV, BT], dtype=tl.float32)
             corrections = tl.zeros([BV, BT], dtype=tl.float32)
             if UNROLL_TOKENS:
                 for t in tl.static_range(SPEC_LEN):
                     state, outs, corrections = _token_step(
-                        state, outs, corrections, t, t < processed, tile_steps,
+                        state, outs, corrections, t, t < processed, steps,
                         vec_base, slot_keys, slot_key_mask, pair_at, v_rows, offs_v, beta_at,
                         stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK)
             else:
                 for t in range(0, processed):
                     state, outs, corrections = _token_step(
-                        state, outs, corrections, t, t < processed, tile_steps,
+                        state, outs, corrections, t, t < processed, steps,
                         vec_base, slot_keys, slot_key_mask, pair_at, v_rows, offs_v, beta_at,
                         stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK)
-            step_mask = mask_v[:, None] & (tile_steps < processed)[None, :]
-            tl.store(out_ptr + (bos + tile_steps[None, :]) * stride_o_tok + h * stride_o_head
+            step_mask = mask_v[:, None] & (steps < processed)[None, :]
+            tl.store(out_ptr + (bos + steps[None, :]) * stride_o_tok + h * stride_o_head
                      + offs_v[:, None] * stride_o_dim, outs, mask=step_mask)
             tl.store(correction_ptr + block * stride_c_blk + h * stride_c_head
-                     + tile_steps[None, :] * stride_c_tok + offs_v[:, None] * stride_c_dim,
+                     + steps[None, :] * stride_c_tok + offs_v[:, None] * stride_c_dim,
                      corrections, mask=step_mask)
     for t in range(zero_from, window):
         # Formed here, in a rarely taken loop, so that nothing of it is held
@@ -193,7 +192,7 @@ def _load_state_tile(state_head, tile, slots, slot_keys, slot_key_mask, stride_s
 
 
 @triton.jit
-def _token_step(state, outs, corrections, t, live, tile_steps,
+def _token_step(state, outs, corrections, t, live, steps,
                 vec_base, slot_keys, slot_key_mask, pair_at, v_rows, offs_v, beta_at,
                 stride_v_tok, stride_beta_tok, V: tl.constexpr, BK: tl.constexpr,
                 BV: tl.constexpr, NUM_CHUNKS: tl.constexpr, KEY_CHUNK: tl.constexpr):
@@ -220,7 +219,7 @@ def _token_step(state, outs, corrections, t, live, tile_steps,
     out = query_dot + u * key_query
     u_slots = tl.reshape(tl.broadcast_to(u[None, :], (NUM_CHUNKS, BV)), [NUM_CHUNKS * BV])
     state = state + u_slots[:, None] * key
-    is_t = tile_steps[None, :] == t
+    is_t = steps[None, :] == t
     return state, tl.where(is_t, out[:, None], outs), tl.where(is_t, u[:, None], corrections)
 
 
