@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of the kda_ops kernels on sm_90, offline.
 
     python tools/kernel_resources.py [--spec-lens 2,4,8] [--ttgir DIR]
-        [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,WARPS] [--commit-config BV,WARPS]
+        [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,DEFER,WARPS] [--commit-config BV,WARPS]
 
 Compiles the state kernels for an H100/H200 target without a GPU (Triton's
 compiler plus the ptxas it ships), at the benchmark's shapes (H = 32, K = V = 128,
@@ -88,7 +88,7 @@ def main(argv=None):
     parser.add_argument("--spec-lens", default="2,4,8")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
     parser.add_argument("--verify-config", default=None,
-                        help="BV,KEY_CHUNK,V_TILES,UNROLL,WARPS of verify instead of the package's "
+                        help="BV,KEY_CHUNK,V_TILES,UNROLL,DEFER,WARPS of verify instead of the package's "
                              "(which is taken at B = 128)")
     parser.add_argument("--commit-config", default=None,
                         help="BV,WARPS of the commit fold instead of the package's")
@@ -97,14 +97,15 @@ def main(argv=None):
     commit_bv, commit_warps = (tuple(int(x) for x in args.commit_config.split(","))
                                if args.commit_config else commit_kernels.commit_config(V))
     for T in (int(t) for t in args.spec_lens.split(",")):
-        verify_bv, verify_chunk, verify_tiles, verify_unroll, verify_warps = (
+        verify_bv, verify_chunk, verify_tiles, verify_unroll, verify_defer, verify_warps = (
             tuple(int(x) for x in args.verify_config.split(","))
             if args.verify_config else verify_kernels.verify_config(K, V, 128 * 32, T))
         cases = {
             "verify": (verify_kernels._verify_kernel,
                        dict(K=K, V=V, BK=K, BV=verify_bv, SPEC_LEN=T, BT=triton.next_power_of_2(T),
                             USE_LOWER_BOUND=True, KEY_CHUNK=verify_chunk,
-                            V_TILES=verify_tiles, UNROLL_TOKENS=bool(verify_unroll)),
+                            V_TILES=verify_tiles, UNROLL_TOKENS=bool(verify_unroll),
+                            DEFER_DECAY=bool(verify_defer)),
                        verify_warps),
             "commit_state": (commit_kernels._commit_state_kernel,
                              dict(K=K, V=V, BK=K, BV=commit_bv, NUM_HEADS=32, SPEC_LEN=T,
