@@ -153,13 +153,15 @@ def test_verify_token_loop_forms(device, T, heads, unrolled):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("lower_bound", [-5.0, -100.0, None])
-def test_verify_deferred_decay(device, lower_bound):
-    """Two tiles per program at T = 2 keep the state undecayed when the lower
-    bound allows (-5: every window); with -100 and steep gates a two-token
-    window's decay product underflows, so those windows must take the per-token
-    decay; without a lower bound the plain kernel runs. Windows of 0 to 3 tokens."""
-    T, H, lens = 2, 32, (2, 1, 0, 3, 2, 1, 2, 2)
+def test_verify_deferred_decay(device, T, lower_bound):
+    """Two tiles per program at T <= 2 keep the state undecayed when the lower
+    bound allows (-5: every window); -100 sends every window to the per-token
+    decay, and at T = 2 steep gates make a two-token window's decay product
+    underflow, so the deferred form would give inf there; without a lower bound
+    the plain kernel runs. Windows of 0 to 3 tokens."""
+    H, lens = 32, (2, 1, 0, 3, 2, 1, 2, 2)
     _, _, v_tiles, unroll, defer, _ = verify_config(16, 40, len(lens) * H, T)
     assert (v_tiles, unroll, defer) == (2, True, True), "the deferred-decay form is not taken"
     args, buffers = make_problem(device, H=H, K=16, V=40, T=T, N=len(lens) + 1, lens=lens,

@@ -17,8 +17,9 @@ decay is applied to the state first), each token's outputs are stored once
 after the token loop instead of through a layout conversion per token, the
 first state tile is loaded before phase 1, and short windows unroll the token
 loop: 10-31% faster again at B <= 32, 1-13% at B = 64, 9% at T = 8 from
-B = 128; at T = 2 and 4 from B = 128 between 1% faster and 4% slower
-(docs/performance.md).
+B = 128; at T = 2 and 4 from B = 128 between 1% faster and 4% slower. Windows
+of up to two tokens with a gate lower bound keep the state undecayed (see
+DEFER_DECAY_UP_TO): 3-11% faster again from B = 32 (docs/performance.md).
 """
 
 import torch
@@ -284,7 +285,8 @@ UNROLL_ONE_TILE_UP_TO = 8
 # 3-11% faster from B = 32 (B = 256: 188 -> 168 us), 1% slower at B = 8; the
 # gain comes from the register count (80 against 88: six programs per SM
 # instead of five; capping the registers of the plain kernel at 80 gave the
-# same times). At T = 4 and 8 it was 0-5% slower.
+# same times). At T = 4 and 8 it was 1-4% slower from B = 32. T = 1 (not
+# timed) compiles to 70 registers against 94.
 DEFER_DECAY_UP_TO = 2
 # ln of the smallest decay product a deferred window may reach: 1 / G stays
 # below 1.3e19, far from fp32 overflow even times large corrections.
