@@ -88,8 +88,8 @@ def main(argv=None):
     parser.add_argument("--spec-lens", default="2,4,8")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
     parser.add_argument("--verify-config", default=None,
-                        help="BV,KEY_CHUNK,V_TILES,UNROLL,DEFER,WARPS of verify instead of the package's "
-                             "(which is taken at B = 128)")
+                        help="BV,KEY_CHUNK,V_TILES,UNROLL,DEFER,WARPS of verify instead of the "
+                             "package's (which is taken at B = 128)")
     parser.add_argument("--commit-config", default=None,
                         help="BV,WARPS of the commit fold instead of the package's")
     args = parser.parse_args(argv)
