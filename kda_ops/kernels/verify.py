@@ -106,8 +106,9 @@ def _verify_kernel(
         head_row = b * tl.num_programs(2) + h
         NUM_VECTORS: tl.constexpr = 4 if DEFER_DECAY else 3
         vec_base = vectors_ptr + head_row * (BT * NUM_VECTORS * BK)
-        # All BT rows are written: past the window (and past K) they hold what
-        # zero inputs give, finite, for the unrolled token loop to run over.
+        # All BT rows are written: past the window (and past K) they hold finite
+        # values (those of zero inputs; a decay of 1 when deferring), for the
+        # unrolled token loop to run over.
         vec_tile = vec_base + offs_k[None, :] + steps[:, None] * (NUM_VECTORS * BK)
         if DEFER_DECAY:
             # With the state kept undecayed (S = S_hat * G_t, G_t the decay
@@ -246,6 +247,8 @@ def _token_step(state, outs, corrections, t, live, deferred, steps,
                 other=0.0).to(tl.float32)
     beta = tl.load(beta_at + t * stride_beta_tok, mask=live, other=0.0).to(tl.float32)
     if not DEFER_DECAY:
+        # After the token's other loads, as measured: multiplying at the decay's
+        # load instead compiles the unrolled loops differently (Triton 3.6).
         state = state * decay
     key_dot = _row_dot(state * key, NUM_CHUNKS, BV, KEY_CHUNK)
     query_dot = _row_dot(state * query, NUM_CHUNKS, BV, KEY_CHUNK)
