@@ -131,8 +131,8 @@ def test_verify_two_tiles_per_program(device):
     """Enough (request, head) pairs that one program walks two V tiles: V = 72
     is three 32-row tiles, so the second program's second tile is all padding."""
     H, lens = 32, (1, 3, 4, 2, 0, 6, 2, 1)
-    _, _, v_tiles, unroll, _, _ = verify_config(16, 72, len(lens) * H, 4)
-    assert (v_tiles, unroll) == (2, True), "the two-tile unrolled path is not taken"
+    config = verify_config(16, 72, len(lens) * H, 4)
+    assert (config.v_tiles, config.unroll_tokens) == (2, True), "the two-tile path is not taken"
     args, buffers = make_problem(device, H=H, K=16, V=72, lens=lens, seed=12)
     check_against_oracle(args, buffers, None, lower_bound=-5.0)
 
@@ -145,8 +145,9 @@ def test_verify_token_loop_forms(device, T, heads, unrolled):
     with one and two V tiles per program (the two-tile test above covers the
     unrolled loop with two); windows of 0, 1, 2, 3, T - 1, T and T + 2 tokens."""
     lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
-    _, _, v_tiles, unroll, _, _ = verify_config(16, 40, len(lens) * heads, T)
-    assert (v_tiles, unroll) == (2 if heads == 32 else 1, unrolled), "another kernel form is taken"
+    config = verify_config(16, 40, len(lens) * heads, T)
+    assert (config.v_tiles, config.unroll_tokens, config.closed_form) == (
+        2 if heads == 32 else 1, unrolled, False), "another kernel form is taken"
     args, buffers = make_problem(device, H=heads, K=16, V=40, T=T, N=len(lens) + 1, lens=lens,
                                  indices=tuple(range(1, len(lens) + 1)), seed=13 + T)
     check_against_oracle(args, buffers, None, lower_bound=-5.0)
@@ -162,11 +163,31 @@ def test_verify_deferred_decay(device, T, lower_bound):
     underflow, so the deferred form would give inf there; without a lower bound
     the plain kernel runs. Windows of 0 to 3 tokens."""
     H, lens = 32, (2, 1, 0, 3, 2, 1, 2, 2)
-    _, _, v_tiles, unroll, defer, _ = verify_config(16, 40, len(lens) * H, T)
-    assert (v_tiles, unroll, defer) == (2, True, True), "the deferred-decay form is not taken"
+    config = verify_config(16, 40, len(lens) * H, T)
+    assert (config.v_tiles, config.unroll_tokens, config.defer_decay) == (2, True, True), (
+        "the deferred-decay form is not taken")
     args, buffers = make_problem(device, H=H, K=16, V=40, T=T, N=len(lens) + 1, lens=lens,
                                  indices=tuple(range(1, len(lens) + 1)), decay_shift=4.0,
                                  seed=21)
+    check_against_oracle(args, buffers, None, lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [3, 4])
+@pytest.mark.parametrize("heads", [4, 32])
+@pytest.mark.parametrize("lower_bound, decay_shift", [(-5.0, 0.0), (None, 4.0)])
+def test_verify_closed_form(device, T, heads, lower_bound, decay_shift):
+    """Windows of three and four tokens run in closed form, with one and two V
+    tiles per program: the coupling must link every token to the earlier ones
+    of its window and to no other (windows of 0 to T + 2 tokens; steep gates
+    make some decay products underflow)."""
+    lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
+    config = verify_config(16, 40, len(lens) * heads, T)
+    assert (config.v_tiles, config.closed_form) == (2 if heads == 32 else 1, True), (
+        "the closed form is not taken")
+    args, buffers = make_problem(device, H=heads, K=16, V=40, T=T, N=len(lens) + 1, lens=lens,
+                                 indices=tuple(range(1, len(lens) + 1)),
+                                 decay_shift=decay_shift, seed=31 + T)
     check_against_oracle(args, buffers, None, lower_bound=lower_bound)
 
 

@@ -88,8 +88,8 @@ def main(argv=None):
     parser.add_argument("--spec-lens", default="2,4,8")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
     parser.add_argument("--verify-config", default=None,
-                        help="BV,KEY_CHUNK,V_TILES,UNROLL,DEFER,WARPS of verify instead of the "
-                             "package's (which is taken at B = 128)")
+                        help="BV,KEY_CHUNK,V_TILES,UNROLL,DEFER,CLOSED,WARPS of verify instead "
+                             "of the package's (which is taken at B = 128)")
     parser.add_argument("--commit-config", default=None,
                         help="BV,WARPS of the commit fold instead of the package's")
     args = parser.parse_args(argv)
@@ -97,16 +97,17 @@ def main(argv=None):
     commit_bv, commit_warps = (tuple(int(x) for x in args.commit_config.split(","))
                                if args.commit_config else commit_kernels.commit_config(V))
     for T in (int(t) for t in args.spec_lens.split(",")):
-        verify_bv, verify_chunk, verify_tiles, verify_unroll, verify_defer, verify_warps = (
-            tuple(int(x) for x in args.verify_config.split(","))
-            if args.verify_config else verify_kernels.verify_config(K, V, 128 * 32, T))
+        verify = (verify_kernels.VerifyConfig(*(int(x) for x in args.verify_config.split(",")))
+                  if args.verify_config else verify_kernels.verify_config(K, V, 128 * 32, T))
         cases = {
             "verify": (verify_kernels._verify_kernel,
-                       dict(K=K, V=V, BK=K, BV=verify_bv, SPEC_LEN=T, BT=triton.next_power_of_2(T),
-                            USE_LOWER_BOUND=True, KEY_CHUNK=verify_chunk,
-                            V_TILES=verify_tiles, UNROLL_TOKENS=bool(verify_unroll),
-                            DEFER_DECAY=bool(verify_defer)),
-                       verify_warps),
+                       dict(K=K, V=V, BK=K, BV=verify.block_v, SPEC_LEN=T,
+                            BT=triton.next_power_of_2(T), USE_LOWER_BOUND=True,
+                            KEY_CHUNK=verify.key_chunk, V_TILES=verify.v_tiles,
+                            UNROLL_TOKENS=bool(verify.unroll_tokens),
+                            DEFER_DECAY=bool(verify.defer_decay),
+                            CLOSED_FORM=bool(verify.closed_form)),
+                       verify.num_warps),
             "commit_state": (commit_kernels._commit_state_kernel,
                              dict(K=K, V=V, BK=K, BV=commit_bv, NUM_HEADS=32, SPEC_LEN=T,
                                   USE_LOWER_BOUND=True, HAS_REQUEST_INDICES=False, ALIGN=False),

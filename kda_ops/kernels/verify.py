@@ -19,8 +19,13 @@ first state tile is loaded before phase 1, and short windows unroll the token
 loop: 10-31% faster again at B <= 32, 1-13% at B = 64, 9% at T = 8 from
 B = 128; at T = 2 and 4 from B = 128 between 1% faster and 4% slower. Windows
 of up to two tokens with a gate lower bound keep the state undecayed (see
-DEFER_DECAY_UP_TO): 3-11% faster again from B = 32 (docs/performance.md).
+DEFER_DECAY_UP_TO): 3-11% faster again from B = 32. Windows of three and four
+tokens run in closed form (see CLOSED_FORM_UP_TO): the state is only read, by
+2T independent products with the checkpoint, and a T x T coupling computed in
+phase 1 links the tokens: 5-12% faster again at T = 4 (docs/performance.md).
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,7 +39,7 @@ from .common import block_is_valid, kda_gate, l2_normalize, live_range
 @triton.jit
 def _verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr,
-    state_ptr, correction_ptr, key_gate_ptr, out_ptr, vectors_ptr, key_query_ptr,
+    state_ptr, correction_ptr, key_gate_ptr, out_ptr, vectors_ptr, coupling_ptr,
     query_start_ptr, state_indices_ptr,
     num_blocks, lower_bound, scale,
     stride_q_tok, stride_q_head, stride_q_dim,
@@ -51,7 +56,7 @@ def _verify_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPEC_LEN: tl.constexpr, BT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr, UNROLL_TOKENS: tl.constexpr,
-    DEFER_DECAY: tl.constexpr,
+    DEFER_DECAY: tl.constexpr, CLOSED_FORM: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 scalars; the arithmetic is fp32.
     lower_bound = tl.cast(lower_bound, tl.float32)
@@ -104,13 +109,25 @@ def _verify_kernel(
         decays = tl.exp(kda_gate(raw_g.to(tl.float32), dt_bias[None, :], A, lower_bound,
                                  USE_LOWER_BOUND))
         head_row = b * tl.num_programs(2) + h
-        NUM_VECTORS: tl.constexpr = 4 if DEFER_DECAY else 3
+        NUM_VECTORS: tl.constexpr = 5 if CLOSED_FORM else (4 if DEFER_DECAY else 3)
         vec_base = vectors_ptr + head_row * (BT * NUM_VECTORS * BK)
         # All BT rows are written: past the window (and past K) they hold finite
-        # values (those of zero inputs; a decay of 1 when deferring), for the
-        # unrolled token loop to run over.
+        # values (those of zero inputs; a decay of 1 when deferring or in closed
+        # form), for the unrolled token loop to run over.
         vec_tile = vec_base + offs_k[None, :] + steps[:, None] * (NUM_VECTORS * BK)
-        if DEFER_DECAY:
+        if CLOSED_FORM:
+            # E_t, the decay product of tokens 0..t, scales the token's key and
+            # query for their products with the checkpoint; k, q and the decay
+            # feed the coupling below.
+            deferred = False
+            decays = tl.where(tile_mask, decays, 1.0)
+            window_decays = tl.cumprod(decays, axis=0)
+            tl.store(vec_tile, keys * window_decays)
+            tl.store(vec_tile + BK, queries * window_decays)
+            tl.store(vec_tile + 2 * BK, keys)
+            tl.store(vec_tile + 3 * BK, queries)
+            tl.store(vec_tile + 4 * BK, decays)
+        elif DEFER_DECAY:
             # With the state kept undecayed (S = S_hat * G_t, G_t the decay
             # product of tokens 0..t), token t needs no pass over the state for
             # its decay: k.S' = S_hat.(G_t k), q.S' = S_hat.(G_t q), and the
@@ -129,8 +146,13 @@ def _verify_kernel(
             tl.store(vec_tile, decays)
             tl.store(vec_tile + BK, keys)
             tl.store(vec_tile + 2 * BK, queries)
-        pair_at = key_query_ptr + head_row * BT
-        tl.store(pair_at + steps, tl.sum(keys * queries, axis=1))
+        if CLOSED_FORM:
+            coupling_at = coupling_ptr + head_row * (2 * BT * BT)
+            tl.debug_barrier()  # the key, query and decay rows are written
+            _store_coupling(keys, vec_base, offs_k, mask_k, steps, coupling_at, BK, BT, SPEC_LEN)
+        else:
+            coupling_at = coupling_ptr + head_row * BT
+            tl.store(coupling_at + steps, tl.sum(keys * queries, axis=1))
         if tl.program_id(0) == 0:
             kg_tile = (key_gate_ptr + block * stride_kg_blk + h * stride_kg_head
                        + steps[:, None] * stride_kg_tok + offs_k[None, :] * stride_kg_dim)
@@ -171,18 +193,23 @@ def _verify_kernel(
             # barriers per token).
             outs = tl.zeros([BV, BT], dtype=tl.float32)
             corrections = tl.zeros([BV, BT], dtype=tl.float32)
-            if UNROLL_TOKENS:
+            if CLOSED_FORM:
+                outs, corrections = _closed_form_tile(
+                    state, outs, corrections, processed, steps, vec_base, slot_keys,
+                    slot_key_mask, coupling_at, v_rows, offs_v, beta_at, stride_v_tok,
+                    stride_beta_tok, V, BK, BV, BT, SPEC_LEN, NUM_CHUNKS, KEY_CHUNK)
+            elif UNROLL_TOKENS:
                 for t in tl.static_range(SPEC_LEN):
                     state, outs, corrections = _token_step(
                         state, outs, corrections, t, t < processed, deferred, steps,
-                        vec_base, slot_keys, slot_key_mask, pair_at, v_rows, offs_v, beta_at,
+                        vec_base, slot_keys, slot_key_mask, coupling_at, v_rows, offs_v, beta_at,
                         stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK,
                         DEFER_DECAY)
             else:
                 for t in range(0, processed):
                     state, outs, corrections = _token_step(
                         state, outs, corrections, t, t < processed, deferred, steps,
-                        vec_base, slot_keys, slot_key_mask, pair_at, v_rows, offs_v, beta_at,
+                        vec_base, slot_keys, slot_key_mask, coupling_at, v_rows, offs_v, beta_at,
                         stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK,
                         DEFER_DECAY)
             step_mask = mask_v[:, None] & (steps < processed)[None, :]
@@ -215,7 +242,7 @@ def _load_state_tile(state_head, tile, slots, slot_keys, slot_key_mask, stride_s
 
 @triton.jit
 def _token_step(state, outs, corrections, t, live, deferred, steps,
-                vec_base, slot_keys, slot_key_mask, pair_at, v_rows, offs_v, beta_at,
+                vec_base, slot_keys, slot_key_mask, key_query_at, v_rows, offs_v, beta_at,
                 stride_v_tok, stride_beta_tok, V: tl.constexpr, BK: tl.constexpr,
                 BV: tl.constexpr, NUM_CHUNKS: tl.constexpr, KEY_CHUNK: tl.constexpr,
                 DEFER_DECAY: tl.constexpr):
@@ -242,7 +269,7 @@ def _token_step(state, outs, corrections, t, live, deferred, steps,
         key = tl.load(row + BK, mask=slot_key_mask, other=0.0)
         query = tl.load(row + 2 * BK, mask=slot_key_mask, other=0.0)
         update_key = key
-    key_query = tl.load(pair_at + t)
+    key_query = tl.load(key_query_at + t)
     v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, live),
                 other=0.0).to(tl.float32)
     beta = tl.load(beta_at + t * stride_beta_tok, mask=live, other=0.0).to(tl.float32)
@@ -258,6 +285,79 @@ def _token_step(state, outs, corrections, t, live, deferred, steps,
     state = state + u_slots[:, None] * update_key
     is_t = steps[None, :] == t
     return state, tl.where(is_t, out[:, None], outs), tl.where(is_t, u[:, None], corrections)
+
+
+@triton.jit
+def _store_coupling(keys, vec_base, offs_k, mask_k, steps, coupling_at, BK: tl.constexpr,
+                    BT: tl.constexpr, SPEC_LEN: tl.constexpr):
+    """The window's T x T coupling, from its keys `[BT, BK]` and the workspace
+    rows: A[t, s] = k_s . (D_{s+1} ... D_t) k_t (s < t) and B[t, s] likewise
+    with q_t (s <= t, B[t, t] = k_t . q_t), stored as `[2, BT, BT]` with A[t, s]
+    at [0, s, t]. The decay products are carried multiplicatively, token by
+    token: from exp of differences of cumulative gates they would lose digits
+    when one gate is large. Token t's rows are loaded at the `[BT, BK]` tile's
+    shape, so that they arrive in its layout."""
+    key_mask = tl.broadcast_to(mask_k[None, :], (BT, BK))
+    carried = keys  # row s: k_s decayed by tokens s+1..t
+    key_coupling = tl.zeros([BT, BT], dtype=tl.float32)
+    query_coupling = tl.zeros([BT, BT], dtype=tl.float32)
+    for t in tl.static_range(SPEC_LEN):
+        token_row = tl.broadcast_to((vec_base + t * (5 * BK) + offs_k)[None, :], (BT, BK))
+        key = tl.load(token_row + 2 * BK, mask=key_mask, other=0.0)
+        query = tl.load(token_row + 3 * BK, mask=key_mask, other=0.0)
+        if t > 0:
+            decay = tl.load(token_row + 4 * BK, mask=key_mask, other=0.0)
+            carried = tl.where(steps[:, None] < t, carried * decay, keys)
+        column_t = steps[None, :] == t
+        key_coupling = tl.where(column_t & (steps[:, None] < t),
+                                tl.sum(carried * key, axis=1)[:, None], key_coupling)
+        query_coupling = tl.where(column_t & (steps[:, None] <= t),
+                                  tl.sum(carried * query, axis=1)[:, None], query_coupling)
+    coupling_tile = coupling_at + steps[:, None] * BT + steps[None, :]
+    tl.store(coupling_tile, key_coupling)
+    tl.store(coupling_tile + BT * BT, query_coupling)
+
+
+@triton.jit
+def _closed_form_tile(state, outs, corrections, processed, steps, vec_base, slot_keys,
+                      slot_key_mask, coupling_at, v_rows, offs_v, beta_at, stride_v_tok,
+                      stride_beta_tok, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      BT: tl.constexpr, SPEC_LEN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                      KEY_CHUNK: tl.constexpr):
+    """A state tile's outputs in closed form. With S0 the checkpoint and E_t
+    the decay product of tokens 0..t, the recurrence unrolls to
+        u_t = beta_t (v_t - S0 (E_t k_t) - sum_{s<t} A[t, s] u_s),
+        out_t = S0 (E_t q_t) + sum_{s<=t} B[t, s] u_s,
+    so the state is only read, by 2T products that do not wait on each other
+    (the token loop's decay and update passes are gone), and the tokens are
+    linked afterwards through the coupling, on `[BV]` vectors held in tuples.
+    Tokens past the window read no v or beta: their u is 0 and nothing of
+    theirs is stored."""
+    residuals = ()
+    query_dots = ()
+    for t in tl.static_range(SPEC_LEN):
+        row = vec_base + t * (5 * BK) + slot_keys
+        key = tl.load(row, mask=slot_key_mask, other=0.0)
+        query = tl.load(row + BK, mask=slot_key_mask, other=0.0)
+        v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, t < processed),
+                    other=0.0).to(tl.float32)
+        residuals = residuals + (v - _row_dot(state * key, NUM_CHUNKS, BV, KEY_CHUNK),)
+        query_dots = query_dots + (_row_dot(state * query, NUM_CHUNKS, BV, KEY_CHUNK),)
+    us = ()
+    for t in tl.static_range(SPEC_LEN):
+        beta = tl.load(beta_at + t * stride_beta_tok, mask=t < processed, other=0.0)
+        u = residuals[t]
+        for s in tl.static_range(t):
+            u -= tl.load(coupling_at + s * BT + t) * us[s]
+        u *= tl.sigmoid(beta.to(tl.float32))
+        us = us + (u,)
+        out = query_dots[t]
+        for s in tl.static_range(t + 1):
+            out += tl.load(coupling_at + BT * BT + s * BT + t) * us[s]
+        is_t = steps[None, :] == t
+        outs = tl.where(is_t, out[:, None], outs)
+        corrections = tl.where(is_t, u[:, None], corrections)
+    return outs, corrections
 
 
 @triton.jit
@@ -295,16 +395,37 @@ DEFER_DECAY_UP_TO = 2
 # below 1.3e19, far from fp32 overflow even times large corrections.
 LOG_MIN_WINDOW_DECAY = tl.constexpr(-44.0)
 
+# Windows of more than DEFER_DECAY_UP_TO and up to this many tokens run in
+# closed form (CLOSED_FORM; it needs the unrolled form, for its tuples).
+# Measured on an H200 at T = 4 against the token loop: 8-13% faster at every
+# batch from 1 to 128, 8% at 256 (114 against 138 registers with two tiles per
+# program: four programs per SM instead of three). At T = 8 it was 16-48%
+# slower (143 registers, and the coupling's T^2 work). T = 3 was not timed.
+CLOSED_FORM_UP_TO = 4
+
+
+class VerifyConfig(NamedTuple):
+    """Compile-time choices of the verify kernel (measured best on an H200)."""
+    block_v: int
+    key_chunk: int
+    v_tiles: int
+    unroll_tokens: bool
+    defer_decay: bool  # applies only with a gate lower bound (the launch checks that)
+    closed_form: bool
+    num_warps: int
+
 
 def verify_config(key_dim, value_dim, request_heads, spec_len):
-    """(BV, KEY_CHUNK, V_TILES, UNROLL_TOKENS, DEFER_DECAY, num_warps) of the verify
-    kernel (measured best on an H200) for `request_heads` = batch * heads.
-    DEFER_DECAY applies only with a gate lower bound (the launch checks that)."""
+    """The VerifyConfig for `request_heads` = batch * heads."""
     BV = min(triton.next_power_of_2(value_dim), 32)
     two_tiles = value_dim > BV and statically_known_true(request_heads >= TWO_TILES_FROM_HEADS)
     unroll = spec_len <= (UNROLL_UP_TO if two_tiles else UNROLL_ONE_TILE_UP_TO)
-    defer = two_tiles and spec_len <= DEFER_DECAY_UP_TO
-    return BV, min(triton.next_power_of_2(key_dim), 32), 2 if two_tiles else 1, unroll, defer, 4
+    return VerifyConfig(
+        block_v=BV, key_chunk=min(triton.next_power_of_2(key_dim), 32),
+        v_tiles=2 if two_tiles else 1, unroll_tokens=unroll,
+        defer_decay=two_tiles and spec_len <= DEFER_DECAY_UP_TO,
+        closed_form=unroll and DEFER_DECAY_UP_TO < spec_len <= CLOSED_FORM_UP_TO,
+        num_warps=4)
 
 
 def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -313,21 +434,23 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         return
     num_heads, K, V = dims.num_heads, dims.key_dim, dims.value_dim
     BK = triton.next_power_of_2(K)
-    BV, key_chunk, v_tiles, unroll, defer, num_warps = verify_config(
-        K, V, dims.batch * num_heads, dims.spec_len)
-    defer = defer and lower_bound is not None
+    config = verify_config(K, V, dims.batch * num_heads, dims.spec_len)
+    BV, v_tiles, closed = config.block_v, config.v_tiles, config.closed_form
+    defer = config.defer_decay and lower_bound is not None
     dt_strides = (dt_bias.stride(0), dt_bias.stride(1)) if dt_bias.dim() == 2 else (
         K * dt_bias.stride(0), dt_bias.stride(0))
     grid = (triton.cdiv(triton.cdiv(V, BV), v_tiles), dims.batch, num_heads)
     # Per (request, head, token): decay, key, query (and the update key when the
-    # decay is deferred); and k.q.
+    # decay is deferred) and k.q; in closed form E k, E q, key, query, decay and
+    # the T x T couplings A and B.
     BT = triton.next_power_of_2(dims.spec_len)
-    vectors = torch.empty((dims.batch, num_heads, BT, (4 if defer else 3) * BK),
+    vectors = torch.empty((dims.batch, num_heads, BT, (5 if closed else 4 if defer else 3) * BK),
                           device=q.device, dtype=torch.float32)
-    key_query = torch.empty((dims.batch, num_heads, BT), device=q.device, dtype=torch.float32)
+    coupling = torch.empty((dims.batch, num_heads, 2 * BT * BT if closed else BT),
+                           device=q.device, dtype=torch.float32)
     wrap_triton(_verify_kernel)[grid](
         q, k, v, g, beta, A_log, dt_bias,
-        state, correction, key_gate, out, vectors, key_query,
+        state, correction, key_gate, out, vectors, coupling,
         query_start_loc, state_indices,
         dims.num_blocks, float(lower_bound or 0.0), float(scale),
         *_token_strides(q), *_token_strides(k), *_token_strides(v), *_token_strides(g),
@@ -336,7 +459,7 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         *state.stride(), *correction.stride(), *key_gate.stride(), *_token_strides(out),
         query_start_loc.stride(0), state_indices.stride(0),
         K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT,
-        USE_LOWER_BOUND=lower_bound is not None, KEY_CHUNK=key_chunk, V_TILES=v_tiles,
-        UNROLL_TOKENS=unroll, DEFER_DECAY=defer,
-        num_warps=num_warps,
+        USE_LOWER_BOUND=lower_bound is not None, KEY_CHUNK=config.key_chunk, V_TILES=v_tiles,
+        UNROLL_TOKENS=config.unroll_tokens, DEFER_DECAY=defer, CLOSED_FORM=closed,
+        num_warps=config.num_warps,
     )
