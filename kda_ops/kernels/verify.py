@@ -22,7 +22,8 @@ of up to two tokens with a gate lower bound keep the state undecayed (see
 DEFER_DECAY_UP_TO): 3-11% faster again from B = 32. Windows of three and four
 tokens run in closed form (see CLOSED_FORM_UP_TO): the state is only read, by
 2T independent products with the checkpoint, and a T x T coupling computed in
-phase 1 links the tokens: 5-12% faster again at T = 4 (docs/performance.md).
+phase 1 links the tokens: 7-13% faster again at T = 4, up to 10% at T = 3
+(docs/performance.md).
 """
 
 from typing import NamedTuple
@@ -400,7 +401,8 @@ LOG_MIN_WINDOW_DECAY = tl.constexpr(-44.0)
 # Measured on an H200 at T = 4 against the token loop: 8-13% faster at every
 # batch from 1 to 128, 8% at 256 (114 against 138 registers with two tiles per
 # program: four programs per SM instead of three). At T = 8 it was 16-48%
-# slower (143 registers, and the coupling's T^2 work). T = 3 was not timed.
+# slower (143 registers, and the coupling's T^2 work). T = 3: 2-10% faster
+# from B = 8, equal at B = 1.
 CLOSED_FORM_UP_TO = 4
 
 
