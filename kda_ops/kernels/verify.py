@@ -17,12 +17,12 @@ decay is applied to the state first), each token's outputs are stored once
 after the token loop instead of through a layout conversion per token, the
 first state tile is loaded before phase 1, and short windows unroll the token
 loop: 10-31% faster again at B <= 32, 1-13% at B = 64, 9% at T = 8 from
-B = 128; at T = 2 and 4 from B = 128 between 1% faster and 4% slower. Windows
-of up to two tokens with a gate lower bound keep the state undecayed (see
-DEFER_DECAY_UP_TO): 3-11% faster again from B = 32. Windows of three and four
-tokens run in closed form (see CLOSED_FORM_UP_TO): the state is only read, by
-2T independent products with the checkpoint, and a T x T coupling computed in
-phase 1 links the tokens: 7-13% faster again at T = 4, up to 10% at T = 3
+B = 128; at T = 2 and 4 from B = 128 between 1% faster and 4% slower.
+Windows of up to four tokens run in closed form (see CLOSED_FORM_UP_TO): the
+state is only read, by 2T independent products with the checkpoint, and a
+T x T coupling computed in phase 1 links the tokens: 7-13% faster again at
+T = 4, up to 10% at T = 3, and at T = 2 as fast as the form it replaced
+there (the state kept undecayed, which needed a gate lower bound)
 (docs/performance.md).
 """
 
@@ -57,7 +57,7 @@ def _verify_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPEC_LEN: tl.constexpr, BT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr, UNROLL_TOKENS: tl.constexpr,
-    DEFER_DECAY: tl.constexpr, CLOSED_FORM: tl.constexpr,
+    CLOSED_FORM: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 scalars; the arithmetic is fp32.
     lower_bound = tl.cast(lower_bound, tl.float32)
@@ -110,17 +110,16 @@ def _verify_kernel(
         decays = tl.exp(kda_gate(raw_g.to(tl.float32), dt_bias[None, :], A, lower_bound,
                                  USE_LOWER_BOUND))
         head_row = b * tl.num_programs(2) + h
-        NUM_VECTORS: tl.constexpr = 5 if CLOSED_FORM else (4 if DEFER_DECAY else 3)
+        NUM_VECTORS: tl.constexpr = 5 if CLOSED_FORM else 3
         vec_base = vectors_ptr + head_row * (BT * NUM_VECTORS * BK)
         # All BT rows are written: past the window (and past K) they hold finite
-        # values (those of zero inputs; a decay of 1 when deferring or in closed
-        # form), for the unrolled token loop to run over.
+        # values (those of zero inputs; a decay of 1 in closed form), for the
+        # unrolled token loop to run over.
         vec_tile = vec_base + offs_k[None, :] + steps[:, None] * (NUM_VECTORS * BK)
         if CLOSED_FORM:
             # E_t, the decay product of tokens 0..t, scales the token's key and
             # query for their products with the checkpoint; k, q and the decay
             # feed the coupling below.
-            deferred = False
             decays = tl.where(tile_mask, decays, 1.0)
             window_decays = tl.cumprod(decays, axis=0)
             tl.store(vec_tile, keys * window_decays)
@@ -128,22 +127,7 @@ def _verify_kernel(
             tl.store(vec_tile + 2 * BK, keys)
             tl.store(vec_tile + 3 * BK, queries)
             tl.store(vec_tile + 4 * BK, decays)
-        elif DEFER_DECAY:
-            # With the state kept undecayed (S = S_hat * G_t, G_t the decay
-            # product of tokens 0..t), token t needs no pass over the state for
-            # its decay: k.S' = S_hat.(G_t k), q.S' = S_hat.(G_t q), and the
-            # update adds u (k / G_t)^T. The lower bound caps how small G can get
-            # (each gate > lower_bound); past the cap, 1 / G could overflow and
-            # the window is run with the decay applied per token instead.
-            deferred = lower_bound * processed >= LOG_MIN_WINDOW_DECAY
-            decays = tl.where(tile_mask, decays, 1.0)  # G stays 1 past the window
-            window_decays = tl.cumprod(decays, axis=0)
-            tl.store(vec_tile, tl.where(deferred, keys * window_decays, keys))
-            tl.store(vec_tile + BK, tl.where(deferred, queries * window_decays, queries))
-            tl.store(vec_tile + 2 * BK, tl.where(deferred, keys / window_decays, keys))
-            tl.store(vec_tile + 3 * BK, decays)
         else:
-            deferred = False
             tl.store(vec_tile, decays)
             tl.store(vec_tile + BK, keys)
             tl.store(vec_tile + 2 * BK, queries)
@@ -202,17 +186,15 @@ def _verify_kernel(
             elif UNROLL_TOKENS:
                 for t in tl.static_range(SPEC_LEN):
                     state, outs, corrections = _token_step(
-                        state, outs, corrections, t, t < processed, deferred, steps,
+                        state, outs, corrections, t, t < processed, steps,
                         vec_base, slot_keys, slot_key_mask, coupling_at, v_rows, offs_v, beta_at,
-                        stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK,
-                        DEFER_DECAY)
+                        stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK)
             else:
                 for t in range(0, processed):
                     state, outs, corrections = _token_step(
-                        state, outs, corrections, t, t < processed, deferred, steps,
+                        state, outs, corrections, t, t < processed, steps,
                         vec_base, slot_keys, slot_key_mask, coupling_at, v_rows, offs_v, beta_at,
-                        stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK,
-                        DEFER_DECAY)
+                        stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK)
             step_mask = mask_v[:, None] & (steps < processed)[None, :]
             tl.store(out_ptr + (bos + steps[None, :]) * stride_o_tok + h * stride_o_head
                      + offs_v[:, None] * stride_o_dim, outs, mask=step_mask)
@@ -242,11 +224,10 @@ def _load_state_tile(state_head, tile, slots, slot_keys, slot_key_mask, stride_s
 
 
 @triton.jit
-def _token_step(state, outs, corrections, t, live, deferred, steps,
+def _token_step(state, outs, corrections, t, live, steps,
                 vec_base, slot_keys, slot_key_mask, key_query_at, v_rows, offs_v, beta_at,
                 stride_v_tok, stride_beta_tok, V: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, NUM_CHUNKS: tl.constexpr, KEY_CHUNK: tl.constexpr,
-                DEFER_DECAY: tl.constexpr):
+                BV: tl.constexpr, NUM_CHUNKS: tl.constexpr, KEY_CHUNK: tl.constexpr):
     """Token t over the state tile: returns the next state and the output and
     correction tiles with column t filled. An unrolled loop runs every token of
     the capacity; `live` (t inside the window) keeps the ones past the window
@@ -255,35 +236,23 @@ def _token_step(state, outs, corrections, t, live, deferred, steps,
     The workspace vectors are loaded at the state tile's shape, every row
     reading the same keys: they then arrive in the tile's layout, where a
     `[BK]` load would need a layout conversion (shared memory, barriers)."""
-    if DEFER_DECAY:
-        row = vec_base + t * (4 * BK) + slot_keys
-        # A branch, not a select: a deferred window skips the decay's loads and
-        # its pass over the state.
-        if not deferred:
-            state = state * tl.load(row + 3 * BK, mask=slot_key_mask, other=0.0)
-        key = tl.load(row, mask=slot_key_mask, other=0.0)
-        query = tl.load(row + BK, mask=slot_key_mask, other=0.0)
-        update_key = tl.load(row + 2 * BK, mask=slot_key_mask, other=0.0)
-    else:
-        row = vec_base + t * (3 * BK) + slot_keys
-        decay = tl.load(row, mask=slot_key_mask, other=0.0)
-        key = tl.load(row + BK, mask=slot_key_mask, other=0.0)
-        query = tl.load(row + 2 * BK, mask=slot_key_mask, other=0.0)
-        update_key = key
+    row = vec_base + t * (3 * BK) + slot_keys
+    decay = tl.load(row, mask=slot_key_mask, other=0.0)
+    key = tl.load(row + BK, mask=slot_key_mask, other=0.0)
+    query = tl.load(row + 2 * BK, mask=slot_key_mask, other=0.0)
     key_query = tl.load(key_query_at + t)
     v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, live),
                 other=0.0).to(tl.float32)
     beta = tl.load(beta_at + t * stride_beta_tok, mask=live, other=0.0).to(tl.float32)
-    if not DEFER_DECAY:
-        # After the token's other loads, as measured: multiplying at the decay's
-        # load instead compiles the unrolled loops differently (Triton 3.6).
-        state = state * decay
+    # After the token's other loads, as measured: multiplying at the decay's
+    # load instead compiles the unrolled loops differently (Triton 3.6).
+    state = state * decay
     key_dot = _row_dot(state * key, NUM_CHUNKS, BV, KEY_CHUNK)
     query_dot = _row_dot(state * query, NUM_CHUNKS, BV, KEY_CHUNK)
     u = (v - key_dot) * tl.sigmoid(beta)
     out = query_dot + u * key_query
     u_slots = tl.reshape(tl.broadcast_to(u[None, :], (NUM_CHUNKS, BV)), [NUM_CHUNKS * BV])
-    state = state + u_slots[:, None] * update_key
+    state = state + u_slots[:, None] * key
     is_t = steps[None, :] == t
     return state, tl.where(is_t, out[:, None], outs), tl.where(is_t, u[:, None], corrections)
 
@@ -384,25 +353,14 @@ TWO_TILES_FROM_HEADS = 256
 UNROLL_UP_TO = 4
 UNROLL_ONE_TILE_UP_TO = 8
 
-# With two tiles per program and a gate lower bound, windows up to this many
-# tokens keep the state undecayed (DEFER_DECAY). Measured on an H200 at T = 2:
-# 3-11% faster from B = 32 (B = 256: 188 -> 168 us), 1% slower at B = 8; the
-# gain comes from the register count (80 against 88: six programs per SM
-# instead of five; capping the registers of the plain kernel at 80 gave the
-# same times). At T = 4 and 8 it was 1-4% slower from B = 32. T = 1 (not
-# timed) compiles to 70 registers against 94.
-DEFER_DECAY_UP_TO = 2
-# ln of the smallest decay product a deferred window may reach: 1 / G stays
-# below 1.3e19, far from fp32 overflow even times large corrections.
-LOG_MIN_WINDOW_DECAY = tl.constexpr(-44.0)
-
-# Windows of more than DEFER_DECAY_UP_TO and up to this many tokens run in
-# closed form (CLOSED_FORM; it needs the unrolled form, for its tuples).
-# Measured on an H200 at T = 4 against the token loop: 8-13% faster at every
-# batch from 1 to 128, 8% at 256 (114 against 138 registers with two tiles per
-# program: four programs per SM instead of three). At T = 8 it was 16-48%
-# slower (143 registers, and the coupling's T^2 work). T = 3: 2-10% faster
-# from B = 8, equal at B = 1.
+# Windows of up to this many tokens run in closed form (CLOSED_FORM; it needs
+# the unrolled form, for its tuples). Measured on an H200 against the token
+# loop: T = 4 8-13% faster at every batch from 1 to 128, 8% at 256 (114
+# against 138 registers with two tiles per program: four programs per SM
+# instead of three); T = 3 2-10% faster from B = 8, equal at B = 1. At T = 2
+# and 1 it replaced a token loop with the state kept undecayed (which needed a
+# gate lower bound): T = 2 0-3% faster, T = 1 0-2% slower from B = 32. At
+# T = 8 it was 16-48% slower (143 registers, and the coupling's T^2 work).
 CLOSED_FORM_UP_TO = 4
 
 
@@ -412,7 +370,6 @@ class VerifyConfig(NamedTuple):
     key_chunk: int
     v_tiles: int
     unroll_tokens: bool
-    defer_decay: bool  # applies only with a gate lower bound (the launch checks that)
     closed_form: bool
     num_warps: int
 
@@ -425,8 +382,7 @@ def verify_config(key_dim, value_dim, request_heads, spec_len):
     return VerifyConfig(
         block_v=BV, key_chunk=min(triton.next_power_of_2(key_dim), 32),
         v_tiles=2 if two_tiles else 1, unroll_tokens=unroll,
-        defer_decay=two_tiles and spec_len <= DEFER_DECAY_UP_TO,
-        closed_form=unroll and DEFER_DECAY_UP_TO < spec_len <= CLOSED_FORM_UP_TO,
+        closed_form=unroll and spec_len <= CLOSED_FORM_UP_TO,
         num_warps=4)
 
 
@@ -438,15 +394,13 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     BK = triton.next_power_of_2(K)
     config = verify_config(K, V, dims.batch * num_heads, dims.spec_len)
     BV, v_tiles, closed = config.block_v, config.v_tiles, config.closed_form
-    defer = config.defer_decay and lower_bound is not None
     dt_strides = (dt_bias.stride(0), dt_bias.stride(1)) if dt_bias.dim() == 2 else (
         K * dt_bias.stride(0), dt_bias.stride(0))
     grid = (triton.cdiv(triton.cdiv(V, BV), v_tiles), dims.batch, num_heads)
-    # Per (request, head, token): decay, key, query (and the update key when the
-    # decay is deferred) and k.q; in closed form E k, E q, key, query, decay and
-    # the T x T couplings A and B.
+    # Per (request, head, token): decay, key, query and k.q; in closed form
+    # E k, E q, key, query, decay and the T x T couplings A and B.
     BT = triton.next_power_of_2(dims.spec_len)
-    vectors = torch.empty((dims.batch, num_heads, BT, (5 if closed else 4 if defer else 3) * BK),
+    vectors = torch.empty((dims.batch, num_heads, BT, (5 if closed else 3) * BK),
                           device=q.device, dtype=torch.float32)
     coupling = torch.empty((dims.batch, num_heads, 2 * BT * BT if closed else BT),
                            device=q.device, dtype=torch.float32)
@@ -462,6 +416,6 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         query_start_loc.stride(0), state_indices.stride(0),
         K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT,
         USE_LOWER_BOUND=lower_bound is not None, KEY_CHUNK=config.key_chunk, V_TILES=v_tiles,
-        UNROLL_TOKENS=config.unroll_tokens, DEFER_DECAY=defer, CLOSED_FORM=closed,
+        UNROLL_TOKENS=config.unroll_tokens, CLOSED_FORM=closed,
         num_warps=config.num_warps,
     )
