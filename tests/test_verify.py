@@ -142,8 +142,9 @@ def test_verify_two_tiles_per_program(device):
 def test_verify_token_loop_forms(device, T, heads, unrolled):
     """The unrolled token loop (it also runs the tokens past a short window, and
     must neither read past the tokens nor store them) and the runtime loop,
-    with one and two V tiles per program (the two-tile test above covers the
-    unrolled loop with two); windows of 0, 1, 2, 3, T - 1, T and T + 2 tokens."""
+    with one and two V tiles per program (with two, windows of up to four
+    tokens run in closed form instead of an unrolled loop); windows of 0, 1, 2,
+    3, T - 1, T and T + 2 tokens."""
     lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
     config = verify_config(16, 40, len(lens) * heads, T)
     assert (config.v_tiles, config.unroll_tokens, config.closed_form) == (

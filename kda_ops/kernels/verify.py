@@ -127,15 +127,13 @@ def _verify_kernel(
             tl.store(vec_tile + 2 * BK, keys)
             tl.store(vec_tile + 3 * BK, queries)
             tl.store(vec_tile + 4 * BK, decays)
-        else:
-            tl.store(vec_tile, decays)
-            tl.store(vec_tile + BK, keys)
-            tl.store(vec_tile + 2 * BK, queries)
-        if CLOSED_FORM:
             coupling_at = coupling_ptr + head_row * (2 * BT * BT)
             tl.debug_barrier()  # the key, query and decay rows are written
             _store_coupling(keys, vec_base, offs_k, mask_k, steps, coupling_at, BK, BT, SPEC_LEN)
         else:
+            tl.store(vec_tile, decays)
+            tl.store(vec_tile + BK, keys)
+            tl.store(vec_tile + 2 * BK, queries)
             coupling_at = coupling_ptr + head_row * BT
             tl.store(coupling_at + steps, tl.sum(keys * queries, axis=1))
         if tl.program_id(0) == 0:
@@ -344,17 +342,15 @@ def _row_dot(products, NUM_CHUNKS: tl.constexpr, BV: tl.constexpr, KEY_CHUNK: tl
 # tile per program unless its range proves the bound: deciding would add a guard.
 TWO_TILES_FROM_HEADS = 256
 
-# The token loop is unrolled up to this many tokens (spec_len), and with one
-# tile per program up to UNROLL_ONE_TILE_UP_TO. Measured on an H200 (H = 32,
-# K = V = 128, B = 1..256), unrolled against the runtime loop: with two tiles
-# per program T = 2 and 4 were 0-12% faster and T = 8 14-29% slower (128 against
-# 187 registers); with one tile T = 4 and 8 were 1-35% faster, T = 2 6-8% faster
-# up to B = 8 and 1-7% slower from B = 32 (a dynamic batch's case).
-UNROLL_UP_TO = 4
+# Past the closed form, the token loop is unrolled with one tile per program
+# up to this many tokens (spec_len); with two tiles it runs as a runtime loop.
+# Measured on an H200 (H = 32, K = V = 128, B = 1..256), unrolled against the
+# runtime loop: with two tiles per program T = 8 was 14-29% slower (187 against
+# 128 registers); with one tile T = 4 and 8 were 1-35% faster.
 UNROLL_ONE_TILE_UP_TO = 8
 
-# Windows of up to this many tokens run in closed form (CLOSED_FORM; it needs
-# the unrolled form, for its tuples). Measured on an H200 against the token
+# Windows of up to this many tokens run in closed form (CLOSED_FORM, unrolled:
+# its tuples need compile-time indices). Measured on an H200 against the token
 # loop: T = 4 8-13% faster at every batch from 1 to 128, 8% at 256 (114
 # against 138 registers with two tiles per program: four programs per SM
 # instead of three); T = 3 2-10% faster from B = 8, equal at B = 1. At T = 2
@@ -378,12 +374,12 @@ def verify_config(key_dim, value_dim, request_heads, spec_len):
     """The VerifyConfig for `request_heads` = batch * heads."""
     BV = min(triton.next_power_of_2(value_dim), 32)
     two_tiles = value_dim > BV and statically_known_true(request_heads >= TWO_TILES_FROM_HEADS)
-    unroll = spec_len <= (UNROLL_UP_TO if two_tiles else UNROLL_ONE_TILE_UP_TO)
+    closed = spec_len <= CLOSED_FORM_UP_TO
     return VerifyConfig(
         block_v=BV, key_chunk=min(triton.next_power_of_2(key_dim), 32),
-        v_tiles=2 if two_tiles else 1, unroll_tokens=unroll,
-        closed_form=unroll and spec_len <= CLOSED_FORM_UP_TO,
-        num_warps=4)
+        v_tiles=2 if two_tiles else 1,
+        unroll_tokens=closed or (not two_tiles and spec_len <= UNROLL_ONE_TILE_UP_TO),
+        closed_form=closed, num_warps=4)
 
 
 def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
