@@ -130,6 +130,15 @@ def op_problems(device, seed=0):
         bf16[name] = bf16[name].unsqueeze(0)
     problems["verify_bf16_lower_bound"] = (torch.ops.kda_ops.verify.default,
                                            dict(bf16, lower_bound=-5.0, scale=0.3))
+    # Six-token windows over 8 x 32 (request, head) pairs: verify's tensor-core form.
+    TH, TT, tc_lens = 32, 6, [6, 1, 4, 6, 0, 3, 6, 2]
+    tc_n = sum(tc_lens)
+    problems["verify_tensor_cores"] = (torch.ops.kda_ops.verify.default, dict(
+        q=rand(tc_n, TH, K), k=rand(tc_n, TH, K), v=rand(tc_n, TH, V), g=rand(tc_n, TH, K),
+        beta=rand(tc_n, TH), A_log=rand(TH), dt_bias=rand(TH, K), state=rand(N, TH, V, K),
+        correction=rand(N, TH, TT, V), key_gate=rand(N, TH, TT, 2 * K),
+        query_start_loc=_qsl(tc_lens, device), state_indices=ints([1, 2, 0, 3, 4, 5, 9, 2]),
+        out=rand(tc_n, TH, V), lower_bound=-5.0))
 
     # Engine layout: conv state stored [L, N, cols, D], passed dim-first.
     commit_args = dict(num_accepted_tokens=accepted, state_indices=si, query_start_loc=qsl,

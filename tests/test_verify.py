@@ -5,6 +5,7 @@ import torch
 
 import kda_ops
 from kda_ops import naive
+from kda_ops.kernels import verify as verify_kernels
 from kda_ops.kernels.verify import verify_config
 
 from helpers import (DEVICES, INTERPRET, assert_rel_close, guarded, outside, query_start_loc,
@@ -138,7 +139,7 @@ def test_verify_two_tiles_per_program(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T, heads, unrolled", [(8, 4, True), (8, 32, False), (12, 4, False)])
+@pytest.mark.parametrize("T, heads, unrolled", [(8, 4, True), (12, 32, False), (12, 4, False)])
 def test_verify_token_loop_forms(device, T, heads, unrolled):
     """The unrolled token loop (it also runs the tokens past a short window, and
     must neither read past the tokens nor store them) and the runtime loop,
@@ -173,6 +174,40 @@ def test_verify_closed_form(device, T, heads, lower_bound, decay_shift):
                                  indices=tuple(range(1, len(lens) + 1)),
                                  decay_shift=decay_shift, seed=31 + T)
     check_against_oracle(args, buffers, None, lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T, heads, lower_bound, decay_shift, K, V", [
+    (5, 4, -5.0, 0.0, 16, 40), (8, 4, None, 4.0, 16, 40), (8, 4, -100.0, 4.0, 72, 72),
+    (6, 32, -5.0, 0.0, 16, 40)])
+def test_verify_tensor_cores(device, T, heads, lower_bound, decay_shift, K, V, monkeypatch):
+    """Windows of five to eight tokens over enough (request, head) pairs run
+    the closed form with its products on tensor cores: windows of 0 to T + 2
+    tokens, steep gates with and without a lower bound; K = 72 leaves a partial
+    and an all-padding key chunk, V = 72 a partial 128-row tile. Four heads
+    take the form by lowering its threshold (the interpreter is slow at 32)."""
+    if heads < 32:
+        monkeypatch.setattr(verify_kernels, "TENSOR_CORES_FROM_HEADS", 1)
+    lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
+    config = verify_config(K, V, len(lens) * heads, T)
+    assert (config.tensor_cores, config.v_tiles) == (True, 1), "the tensor-core form is not taken"
+    args, buffers = make_problem(device, H=heads, K=K, V=V, T=T, N=len(lens) + 1, lens=lens,
+                                 indices=tuple(range(1, len(lens) + 1)),
+                                 decay_shift=decay_shift, seed=41 + T)
+    check_against_oracle(args, buffers, None, lower_bound=lower_bound)
+
+
+def test_verify_tensor_cores_threshold():
+    """Below the (request, head) threshold, or with a batch whose size is not
+    known, windows of eight tokens keep the token loop (four programs per head
+    finish sooner at small batch)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    assert verify_config(128, 128, 32 * 8, 8).tensor_cores
+    assert not verify_config(128, 128, 32 * 7, 8).tensor_cores
+    assert not verify_config(128, 128, 32 * 8, 4).tensor_cores
+    assert not verify_config(128, 128, 32 * 8, 9).tensor_cores
+    symbolic_batch = ShapeEnv().create_unbacked_symint()
+    assert not verify_config(128, 128, symbolic_batch * 32, 8).tensor_cores
 
 
 @pytest.mark.parametrize("device", DEVICES)

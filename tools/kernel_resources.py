@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of the kda_ops kernels on sm_90, offline.
 
     python tools/kernel_resources.py [--spec-lens 2,4,8] [--ttgir DIR]
-        [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,WARPS] [--commit-config BV,WARPS]
+        [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,STAGES,WARPS] [--commit-config BV,WARPS]
 
 Compiles the state kernels for an H100/H200 target without a GPU (Triton's
 compiler plus the ptxas it ships), at the benchmark's shapes (H = 32, K = V = 128,
@@ -88,7 +88,7 @@ def main(argv=None):
     parser.add_argument("--spec-lens", default="2,4,8")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
     parser.add_argument("--verify-config", default=None,
-                        help="BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,WARPS of verify instead "
+                        help="BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,STAGES,WARPS of verify instead "
                              "of the package's (which is taken at B = 128)")
     parser.add_argument("--commit-config", default=None,
                         help="BV,WARPS of the commit fold instead of the package's")
@@ -105,7 +105,9 @@ def main(argv=None):
                             BT=triton.next_power_of_2(T), USE_LOWER_BOUND=True,
                             KEY_CHUNK=verify.key_chunk, V_TILES=verify.v_tiles,
                             UNROLL_TOKENS=bool(verify.unroll_tokens),
-                            CLOSED_FORM=bool(verify.closed_form)),
+                            CLOSED_FORM=bool(verify.closed_form),
+                            TENSOR_CORES=bool(verify.tensor_cores),
+                            NP=max(16, 2 * triton.next_power_of_2(T)), STAGES=verify.stages),
                        verify.num_warps),
             "commit_state": (commit_kernels._commit_state_kernel,
                              dict(K=K, V=V, BK=K, BV=commit_bv, NUM_HEADS=32, SPEC_LEN=T,

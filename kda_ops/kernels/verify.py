@@ -57,7 +57,8 @@ def _verify_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPEC_LEN: tl.constexpr, BT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr, UNROLL_TOKENS: tl.constexpr,
-    CLOSED_FORM: tl.constexpr,
+    CLOSED_FORM: tl.constexpr, TENSOR_CORES: tl.constexpr, NP: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 scalars; the arithmetic is fp32.
     lower_bound = tl.cast(lower_bound, tl.float32)
@@ -86,8 +87,9 @@ def _verify_kernel(
         slot_keys = (slots // BV)[:, None] * KEY_CHUNK + tl.arange(0, KEY_CHUNK)[None, :]
         slot_key_mask = slot_keys < K
         state_head = state_ptr + block * stride_s_blk + h * stride_s_head
-        state = _load_state_tile(state_head, first_tile, slots, slot_keys, slot_key_mask,
-                                 stride_s_v, stride_s_k, V, BV)
+        if not TENSOR_CORES:  # the tensor-core products load their own chunks
+            state = _load_state_tile(state_head, first_tile, slots, slot_keys, slot_key_mask,
+                                     stride_s_v, stride_s_k, V, BV)
         # Phase 1: every token's decay and normalised key and query, all
         # tokens at once, into this (request, head)'s workspace rows. The token
         # loop below then only loads them, in the state tile's layout, instead of
@@ -167,7 +169,7 @@ def _verify_kernel(
             offs_v = tile * BV + tl.arange(0, BV)
             mask_v = offs_v < V
             v_rows = v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim
-            if tile_in_group > 0:
+            if (tile_in_group > 0) and (not TENSOR_CORES):
                 state = _load_state_tile(state_head, tile, slots, slot_keys, slot_key_mask,
                                          stride_s_v, stride_s_k, V, BV)
             # Each token's outputs are kept in `[BV, BT]` tiles, in the layout
@@ -176,7 +178,12 @@ def _verify_kernel(
             # barriers per token).
             outs = tl.zeros([BV, BT], dtype=tl.float32)
             corrections = tl.zeros([BV, BT], dtype=tl.float32)
-            if CLOSED_FORM:
+            if TENSOR_CORES:
+                outs, corrections = _tensor_core_tile(
+                    state_head, tile, outs, corrections, processed, steps, vec_base, coupling_at,
+                    v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
+                    stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES)
+            elif CLOSED_FORM:
                 outs, corrections = _closed_form_tile(
                     state, outs, corrections, processed, steps, vec_base, slot_keys,
                     slot_key_mask, coupling_at, v_rows, offs_v, beta_at, stride_v_tok,
@@ -311,6 +318,54 @@ def _closed_form_tile(state, outs, corrections, processed, steps, vec_base, slot
                     other=0.0).to(tl.float32)
         residuals = residuals + (v - _row_dot(state * key, NUM_CHUNKS, BV, KEY_CHUNK),)
         query_dots = query_dots + (_row_dot(state * query, NUM_CHUNKS, BV, KEY_CHUNK),)
+    return _link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,
+                        beta_at, stride_beta_tok, BT, SPEC_LEN)
+
+
+@triton.jit
+def _tensor_core_tile(state_head, tile, outs, corrections, processed, steps, vec_base,
+                      coupling_at, v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
+                      stride_beta_tok, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
+                      SPEC_LEN: tl.constexpr, KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr):
+    """The closed form with its 2T products on tensor cores: one `[BV, NP]`
+    product of the state tile with every token's E k (column t) and E q
+    (column BT + t), read from the workspace, over key chunks that Triton
+    pipelines through shared memory; then the same linking. The products run
+    in 3xTF32 (each operand split into two TF32 parts, three products), which
+    keeps fp32 accuracy: plain TF32 would lose it."""
+    cols = tl.arange(0, NP)
+    chunk = tl.arange(0, KEY_CHUNK)
+    # Column n reads token n % BT's E k (n < BT) or E q (BT <= n < 2 BT).
+    w_cols = vec_base + (cols % BT) * (5 * BK) + (cols // BT) * BK
+    w_mask = (cols < 2 * BT)[None, :]
+    rows = state_head + offs_v[:, None] * stride_s_v
+    rows_ok = (offs_v < V)[:, None]
+    products = tl.zeros([BV, NP], dtype=tl.float32)
+    for k0 in tl.range(0, BK, KEY_CHUNK, num_stages=STAGES):
+        keys = k0 + chunk
+        s = tl.load(rows + keys[None, :] * stride_s_k, mask=rows_ok & (keys < K)[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_cols[None, :] + keys[:, None], mask=w_mask, other=0.0)
+        products = tl.dot(s, w, products, input_precision="tf32x3")
+    residuals = ()
+    query_dots = ()
+    for t in tl.static_range(SPEC_LEN):
+        v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, t < processed),
+                    other=0.0).to(tl.float32)
+        residuals = residuals + (v - tl.sum(tl.where(cols[None, :] == t, products, 0.0), axis=1),)
+        query_dots = query_dots + (tl.sum(tl.where(cols[None, :] == BT + t, products, 0.0),
+                                          axis=1),)
+    return _link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,
+                        beta_at, stride_beta_tok, BT, SPEC_LEN)
+
+
+@triton.jit
+def _link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at, beta_at,
+                 stride_beta_tok, BT: tl.constexpr, SPEC_LEN: tl.constexpr):
+    """The closed form's outputs from each token's residual v_t - S0 (E_t k_t)
+    and query product S0 (E_t q_t), through the coupling (see _closed_form_tile),
+    into the `[BV, BT]` output and correction tiles."""
     us = ()
     for t in tl.static_range(SPEC_LEN):
         beta = tl.load(beta_at + t * stride_beta_tok, mask=t < processed, other=0.0)
@@ -360,6 +415,19 @@ UNROLL_ONE_TILE_UP_TO = 8
 CLOSED_FORM_UP_TO = 4
 
 
+# Windows longer than the FMA closed form, up to this many tokens, run the
+# closed form with its products on tensor cores (TENSOR_CORES), one program
+# per (request, head), from this many (request, head) pairs: below it the
+# token loop's four programs per head finish sooner (docs/performance.md,
+# eleventh session).
+TENSOR_CORES_UP_TO = 8
+TENSOR_CORES_FROM_HEADS = 256
+# The tensor-core form's largest tile (rows; 8 warps at 128) and the pipeline
+# depth of its key-chunk loop.
+TENSOR_CORE_BLOCK_V = 128
+TENSOR_CORE_STAGES = 3
+
+
 class VerifyConfig(NamedTuple):
     """Compile-time choices of the verify kernel (measured best on an H200)."""
     block_v: int
@@ -367,19 +435,28 @@ class VerifyConfig(NamedTuple):
     v_tiles: int
     unroll_tokens: bool
     closed_form: bool
+    tensor_cores: bool
+    stages: int
     num_warps: int
 
 
 def verify_config(key_dim, value_dim, request_heads, spec_len):
     """The VerifyConfig for `request_heads` = batch * heads."""
+    key_chunk = min(triton.next_power_of_2(key_dim), 32)
+    if (CLOSED_FORM_UP_TO < spec_len <= TENSOR_CORES_UP_TO and key_dim >= 16
+            and statically_known_true(request_heads >= TENSOR_CORES_FROM_HEADS)):
+        # 16 rows at least: smaller tiles the tensor cores only take padded.
+        BV = max(min(triton.next_power_of_2(value_dim), TENSOR_CORE_BLOCK_V), 16)
+        return VerifyConfig(block_v=BV, key_chunk=key_chunk, v_tiles=1, unroll_tokens=True,
+                            closed_form=True, tensor_cores=True,
+                            stages=TENSOR_CORE_STAGES, num_warps=8 if BV >= 128 else 4)
     BV = min(triton.next_power_of_2(value_dim), 32)
     two_tiles = value_dim > BV and statically_known_true(request_heads >= TWO_TILES_FROM_HEADS)
     closed = spec_len <= CLOSED_FORM_UP_TO
     return VerifyConfig(
-        block_v=BV, key_chunk=min(triton.next_power_of_2(key_dim), 32),
-        v_tiles=2 if two_tiles else 1,
+        block_v=BV, key_chunk=key_chunk, v_tiles=2 if two_tiles else 1,
         unroll_tokens=closed or (not two_tiles and spec_len <= UNROLL_ONE_TILE_UP_TO),
-        closed_form=closed, num_warps=4)
+        closed_form=closed, tensor_cores=False, stages=1, num_warps=4)
 
 
 def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -413,5 +490,6 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT,
         USE_LOWER_BOUND=lower_bound is not None, KEY_CHUNK=config.key_chunk, V_TILES=v_tiles,
         UNROLL_TOKENS=config.unroll_tokens, CLOSED_FORM=closed,
+        TENSOR_CORES=config.tensor_cores, NP=max(16, 2 * BT), STAGES=config.stages,
         num_warps=config.num_warps,
     )
