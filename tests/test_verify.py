@@ -200,7 +200,8 @@ def test_verify_tensor_cores(device, T, heads, lower_bound, decay_shift, K, V, m
 def test_verify_tensor_cores_threshold():
     """Below the (request, head) threshold, or with a batch whose size is not
     known, windows of eight tokens keep the token loop (four programs per head
-    finish sooner at small batch)."""
+    finish sooner at small batch); four tokens (FMA closed form) and nine
+    (token loop) never take the tensor-core form."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     assert verify_config(128, 128, 32 * 8, 8).tensor_cores
     assert not verify_config(128, 128, 32 * 7, 8).tensor_cores
