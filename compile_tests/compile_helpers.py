@@ -139,6 +139,15 @@ def op_problems(device, seed=0):
         correction=rand(N, TH, TT, V), key_gate=rand(N, TH, TT, 2 * K),
         query_start_loc=_qsl(tc_lens, device), state_indices=ints([1, 2, 0, 3, 4, 5, 9, 2]),
         out=rand(tc_n, TH, V), lower_bound=-5.0))
+    # Four-token windows over 64 x 32 pairs: the tensor-core form in two kernels.
+    st_lens = [4, 1, 3, 0, 4, 2, 4, 4] * 8
+    st_n = sum(st_lens)
+    problems["verify_separate_terms"] = (torch.ops.kda_ops.verify.default, dict(
+        q=rand(st_n, TH, K), k=rand(st_n, TH, K), v=rand(st_n, TH, V), g=rand(st_n, TH, K),
+        beta=rand(st_n, TH), A_log=rand(TH), dt_bias=rand(TH, K), state=rand(N, TH, V, K),
+        correction=rand(N, TH, 4, V), key_gate=rand(N, TH, 4, 2 * K),
+        query_start_loc=_qsl(st_lens, device), state_indices=ints([1, 2, 0, 3, 4, 5, 9, 2] * 8),
+        out=rand(st_n, TH, V), lower_bound=-5.0))
 
     # Engine layout: conv state stored [L, N, cols, D], passed dim-first.
     commit_args = dict(num_accepted_tokens=accepted, state_indices=si, query_start_loc=qsl,

@@ -182,33 +182,69 @@ def test_verify_closed_form(device, T, heads, lower_bound, decay_shift):
     (6, 32, -5.0, 0.0, 16, 40)])
 def test_verify_tensor_cores(device, T, heads, lower_bound, decay_shift, K, V, monkeypatch):
     """Windows of five to eight tokens over enough (request, head) pairs run
-    the closed form with its products on tensor cores: windows of 0 to T + 2
-    tokens, steep gates with and without a lower bound; K = 72 leaves a partial
-    and an all-padding key chunk, V = 72 a partial 128-row tile. Four heads
-    take the form by lowering its threshold (the interpreter is slow at 32)."""
+    the closed form with its products on tensor cores, in one kernel: windows
+    of 0 to T + 2 tokens, steep gates with and without a lower bound; K = 72
+    leaves a partial and an all-padding key chunk, V = 72 a partial 128-row
+    tile. Four heads take the form by lowering its threshold (the interpreter
+    is slow at 32)."""
     if heads < 32:
         monkeypatch.setattr(verify_kernels, "TENSOR_CORES_FROM_HEADS", 1)
     lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
     config = verify_config(K, V, len(lens) * heads, T)
-    assert (config.tensor_cores, config.v_tiles) == (True, 1), "the tensor-core form is not taken"
+    assert (config.tensor_cores, config.separate_terms, config.v_tiles) == (True, False, 1), (
+        "the one-kernel tensor-core form is not taken")
     args, buffers = make_problem(device, H=heads, K=K, V=V, T=T, N=len(lens) + 1, lens=lens,
                                  indices=tuple(range(1, len(lens) + 1)),
                                  decay_shift=decay_shift, seed=41 + T)
     check_against_oracle(args, buffers, None, lower_bound=lower_bound)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T, lower_bound, decay_shift, K, V", [
+    (4, -5.0, 0.0, 16, 40), (5, None, 0.0, 16, 40), (8, None, 4.0, 16, 40),
+    (8, -100.0, 4.0, 72, 72)])
+def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, monkeypatch):
+    """The tensor-core form in two kernels (the window terms, then the state
+    products), four to eight tokens: windows of 0 to T + 2 tokens, steep gates
+    with and without a lower bound (decay products that underflow); K = 72
+    leaves a partial and an all-padding key chunk, V = 72 a partial 64-row tile
+    and one of padding only. Four heads take the form by lowering its
+    threshold (2048 pairs at the real one)."""
+    monkeypatch.setattr(verify_kernels, "SEPARATE_TERMS_FROM_HEADS", 1)
+    lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
+    config = verify_config(K, V, len(lens) * 4, T)
+    assert (config.tensor_cores, config.separate_terms) == (True, True), (
+        "the two-kernel tensor-core form is not taken")
+    args, buffers = make_problem(device, H=4, K=K, V=V, T=T, N=len(lens) + 1, lens=lens,
+                                 indices=tuple(range(1, len(lens) + 1)),
+                                 decay_shift=decay_shift, seed=51 + T)
+    check_against_oracle(args, buffers, None, lower_bound=lower_bound)
+
+
 def test_verify_tensor_cores_threshold():
-    """Below the (request, head) threshold, or with a batch whose size is not
-    known, windows of eight tokens keep the token loop (four programs per head
-    finish sooner at small batch); four tokens (FMA closed form) and nine
-    (token loop) never take the tensor-core form."""
+    """The tensor-core forms by window length and (request, head) pairs: in one
+    kernel at T = 5..8 from 256 pairs (below, four token-loop programs per head
+    finish sooner), in two from 2048 at T = 4..8 (below it the one-kernel forms
+    are faster); never at T <= 3 or T >= 9, nor with a batch whose size is not
+    known."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    assert verify_config(128, 128, 32 * 8, 8).tensor_cores
-    assert not verify_config(128, 128, 32 * 7, 8).tensor_cores
-    assert not verify_config(128, 128, 32 * 8, 4).tensor_cores
-    assert not verify_config(128, 128, 32 * 8, 9).tensor_cores
+
+    def form(pairs, T):
+        config = verify_config(128, 128, pairs, T)
+        return config.tensor_cores, config.separate_terms
+
+    assert form(32 * 7, 8) == (False, False)
+    assert form(32 * 8, 8) == (True, False)
+    assert form(32 * 63, 5) == (True, False)
+    assert form(32 * 64, 8) == (True, True)
+    assert form(32 * 64, 5) == (True, True)
+    assert form(32 * 63, 4) == (False, False)
+    assert form(32 * 64, 4) == (True, True)
+    assert form(32 * 256, 3) == (False, False)
+    assert form(32 * 256, 2) == (False, False)
+    assert form(32 * 256, 9) == (False, False)
     symbolic_batch = ShapeEnv().create_unbacked_symint()
-    assert not verify_config(128, 128, symbolic_batch * 32, 8).tensor_cores
+    assert form(symbolic_batch * 32, 8) == (False, False)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of the kda_ops kernels on sm_90, offline.
 
     python tools/kernel_resources.py [--spec-lens 2,4,8] [--ttgir DIR]
-        [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,STAGES,WARPS] [--commit-config BV,WARPS]
+        [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS] [--commit-config BV,WARPS]
 
 Compiles the state kernels for an H100/H200 target without a GPU (Triton's
 compiler plus the ptxas it ships), at the benchmark's shapes (H = 32, K = V = 128,
@@ -28,6 +28,7 @@ from triton.compiler import ASTSource
 
 from kda_ops.kernels import commit as commit_kernels
 from kda_ops.kernels import verify as verify_kernels
+from kda_ops.kernels import verify_tensor_cores as tensor_core_kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
 UNIT_STRIDES = {"stride_q_dim", "stride_k_dim", "stride_v_dim", "stride_g_dim", "stride_s_k",
@@ -88,7 +89,7 @@ def main(argv=None):
     parser.add_argument("--spec-lens", default="2,4,8")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
     parser.add_argument("--verify-config", default=None,
-                        help="BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,STAGES,WARPS of verify instead "
+                        help="BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS of verify instead "
                              "of the package's (which is taken at B = 128)")
     parser.add_argument("--commit-config", default=None,
                         help="BV,WARPS of the commit fold instead of the package's")
@@ -99,21 +100,35 @@ def main(argv=None):
     for T in (int(t) for t in args.spec_lens.split(",")):
         verify = (verify_kernels.VerifyConfig(*(int(x) for x in args.verify_config.split(",")))
                   if args.verify_config else verify_kernels.verify_config(K, V, 128 * 32, T))
-        cases = {
-            "verify": (verify_kernels._verify_kernel,
-                       dict(K=K, V=V, BK=K, BV=verify.block_v, SPEC_LEN=T,
-                            BT=triton.next_power_of_2(T), USE_LOWER_BOUND=True,
-                            KEY_CHUNK=verify.key_chunk, V_TILES=verify.v_tiles,
-                            UNROLL_TOKENS=bool(verify.unroll_tokens),
-                            CLOSED_FORM=bool(verify.closed_form),
-                            TENSOR_CORES=bool(verify.tensor_cores),
-                            NP=max(16, 2 * triton.next_power_of_2(T)), STAGES=verify.stages),
-                       verify.num_warps),
+        BT = triton.next_power_of_2(T)
+        if verify.separate_terms:
+            cases = {
+                "window_terms": (tensor_core_kernels._window_terms_kernel,
+                                 dict(K=K, BK=K, SPEC_LEN=T, BT=BT, USE_LOWER_BOUND=True),
+                                 verify_kernels.WINDOW_TERMS_WARPS),
+                "verify_tc": (tensor_core_kernels._tensor_core_verify_kernel,
+                              dict(K=K, V=V, BK=K, BV=verify.block_v, SPEC_LEN=T, BT=BT,
+                                   NP=max(16, 2 * BT), KEY_CHUNK=verify.key_chunk,
+                                   STAGES=verify.stages),
+                              verify.num_warps),
+            }
+        else:
+            cases = {
+                "verify": (verify_kernels._verify_kernel,
+                           dict(K=K, V=V, BK=K, BV=verify.block_v, SPEC_LEN=T, BT=BT,
+                                USE_LOWER_BOUND=True, KEY_CHUNK=verify.key_chunk,
+                                V_TILES=verify.v_tiles, UNROLL_TOKENS=bool(verify.unroll_tokens),
+                                CLOSED_FORM=bool(verify.closed_form),
+                                TENSOR_CORES=bool(verify.tensor_cores), NP=max(16, 2 * BT),
+                                STAGES=verify.stages),
+                           verify.num_warps),
+            }
+        cases.update({
             "commit_state": (commit_kernels._commit_state_kernel,
                              dict(K=K, V=V, BK=K, BV=commit_bv, NUM_HEADS=32, SPEC_LEN=T,
                                   USE_LOWER_BOUND=True, HAS_REQUEST_INDICES=False, ALIGN=False),
                              commit_warps),
-        }
+        })
         for name, (kernel, constexprs, warps) in cases.items():
             ttgir = os.path.join(args.ttgir, f"{name}_T{T}.ttgir") if args.ttgir else None
             report = compile_report(kernel, constexprs, warps, ttgir)

@@ -1,4 +1,5 @@
-"""Device functions shared by the kernels: the KDA gate and the commit plan."""
+"""Device functions shared by the kernels: the KDA gate, the closed form's token
+linking and the commit plan."""
 
 import triton
 import triton.language as tl
@@ -28,6 +29,29 @@ def live_range(offs, size, live):
     """`(offs < size) & live` for a scalar `live`, written as one comparison: the
     Triton 3.9 interpreter mis-broadcasts a scalar bool and-ed with a vector."""
     return offs < tl.where(live, size, 0)
+
+
+@triton.jit
+def link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at, beta_at,
+                 stride_beta_tok, BT: tl.constexpr, SPEC_LEN: tl.constexpr):
+    """The closed form's outputs from each token's residual v_t - S0 (E_t k_t)
+    and query product S0 (E_t q_t), through the coupling (see verify._closed_form_tile),
+    into the `[BV, BT]` output and correction tiles."""
+    us = ()
+    for t in tl.static_range(SPEC_LEN):
+        beta = tl.load(beta_at + t * stride_beta_tok, mask=t < processed, other=0.0)
+        u = residuals[t]
+        for s in tl.static_range(t):
+            u -= tl.load(coupling_at + s * BT + t) * us[s]
+        u *= tl.sigmoid(beta.to(tl.float32))
+        us = us + (u,)
+        out = query_dots[t]
+        for s in tl.static_range(t + 1):
+            out += tl.load(coupling_at + BT * BT + s * BT + t) * us[s]
+        is_t = steps[None, :] == t
+        outs = tl.where(is_t, out[:, None], outs)
+        corrections = tl.where(is_t, u[:, None], corrections)
+    return outs, corrections
 
 
 @triton.jit

@@ -27,7 +27,10 @@ Windows of five to eight tokens over at least 256 (request, head) pairs run
 the closed form with its products on tensor cores (see TENSOR_CORES_UP_TO):
 one program per head, one `[V, 2T]` product of the checkpoint with every
 token's decayed key and query: 27-29% faster than the token loop at T = 8
-from B = 8 (docs/performance.md).
+from B = 8. From 2048 pairs, windows of four to eight tokens run the tensor-core
+form in two kernels (verify_tensor_cores.py): 6-13% faster again at T = 8
+from B = 64, and at T = 4 8-15% faster than the FMA closed form from B = 64
+(docs/performance.md).
 """
 
 from typing import NamedTuple
@@ -38,7 +41,8 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import wrap_triton
 
-from .common import block_is_valid, kda_gate, l2_normalize, live_range
+from .common import block_is_valid, kda_gate, l2_normalize, link_tokens, live_range
+from .verify_tensor_cores import _tensor_core_verify_kernel, _window_terms_kernel
 
 
 @triton.jit
@@ -322,8 +326,8 @@ def _closed_form_tile(state, outs, corrections, processed, steps, vec_base, slot
                     other=0.0).to(tl.float32)
         residuals = residuals + (v - _row_dot(state * key, NUM_CHUNKS, BV, KEY_CHUNK),)
         query_dots = query_dots + (_row_dot(state * query, NUM_CHUNKS, BV, KEY_CHUNK),)
-    return _link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,
-                        beta_at, stride_beta_tok, BT, SPEC_LEN)
+    return link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,
+                       beta_at, stride_beta_tok, BT, SPEC_LEN)
 
 
 @triton.jit
@@ -360,31 +364,8 @@ def _tensor_core_tile(state_head, tile, outs, corrections, processed, steps, vec
         residuals = residuals + (v - tl.sum(tl.where(cols[None, :] == t, products, 0.0), axis=1),)
         query_dots = query_dots + (tl.sum(tl.where(cols[None, :] == BT + t, products, 0.0),
                                           axis=1),)
-    return _link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,
-                        beta_at, stride_beta_tok, BT, SPEC_LEN)
-
-
-@triton.jit
-def _link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at, beta_at,
-                 stride_beta_tok, BT: tl.constexpr, SPEC_LEN: tl.constexpr):
-    """The closed form's outputs from each token's residual v_t - S0 (E_t k_t)
-    and query product S0 (E_t q_t), through the coupling (see _closed_form_tile),
-    into the `[BV, BT]` output and correction tiles."""
-    us = ()
-    for t in tl.static_range(SPEC_LEN):
-        beta = tl.load(beta_at + t * stride_beta_tok, mask=t < processed, other=0.0)
-        u = residuals[t]
-        for s in tl.static_range(t):
-            u -= tl.load(coupling_at + s * BT + t) * us[s]
-        u *= tl.sigmoid(beta.to(tl.float32))
-        us = us + (u,)
-        out = query_dots[t]
-        for s in tl.static_range(t + 1):
-            out += tl.load(coupling_at + BT * BT + s * BT + t) * us[s]
-        is_t = steps[None, :] == t
-        outs = tl.where(is_t, out[:, None], outs)
-        corrections = tl.where(is_t, u[:, None], corrections)
-    return outs, corrections
+    return link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,
+                       beta_at, stride_beta_tok, BT, SPEC_LEN)
 
 
 @triton.jit
@@ -419,32 +400,44 @@ UNROLL_ONE_TILE_UP_TO = 8
 CLOSED_FORM_UP_TO = 4
 
 
-# Windows longer than the FMA closed form, up to this many tokens, run the
-# closed form with its products on tensor cores (TENSOR_CORES), one program
-# per (request, head), from this many (request, head) pairs. Measured on an
-# H200 at T = 8 against the token loop: 27-29% faster from B = 8 (H = 32), 53%
-# slower at B = 1, where the loop's four programs per head finish sooner.
-# T = 5 to 7 run the same code (BT = 8) and were not timed; longer windows
-# keep the token loop (not measured in this form). A symbolic batch keeps the
-# token loop unless its range proves the bound, as for TWO_TILES_FROM_HEADS.
+# Windows longer than the FMA closed form, up to TENSOR_CORES_UP_TO tokens, run
+# the closed form with its products on tensor cores in this kernel
+# (TENSOR_CORES), one program per (request, head), from 256 pairs. Measured on
+# an H200 at T = 8 against the token loop: 27-29% faster from B = 8 (H = 32),
+# 53% slower at B = 1, where the loop's four programs per head finish sooner.
+# Its tile: 128 rows with 8 warps, 7-19% faster than 64 rows with 4 (two
+# programs per head); 3 stages 4-8% faster than 2 (with 64 rows).
+#
+# From 2048 pairs, windows of four to eight tokens run it in two kernels
+# instead (verify_tensor_cores.py: the window terms in a kernel of their own,
+# then 64-row programs, 4 warps, that only stream the state). Measured on an
+# H200 (H = 32, K = V = 128): T = 8 -6 / -10 / -13% at B = 64 / 128 / 256
+# against the one-kernel form above (+40% at B = 8, +4% at 32); T = 4 -8 / -12
+# / -15% against the FMA closed form (-2% at B = 32, +29% at 8); T = 2 slower
+# at every batch (+5% at best), so it keeps the FMA form. Lengths 5 to 7 run
+# the code of BT = 8 and T = 3 keeps the FMA form (neither timed in this form).
+# A symbolic batch takes neither tensor-core form unless its range proves the
+# bound, as for TWO_TILES_FROM_HEADS.
 TENSOR_CORES_UP_TO = 8
 TENSOR_CORES_FROM_HEADS = 256
-# The tensor-core form's largest tile (rows; 8 warps at 128) and the pipeline
-# depth of its key-chunk loop. Measured at T = 8 from B = 8: 128 rows with 8
-# warps 7-19% faster than 64 rows with 4 (two programs per head); with 64
-# rows 3 stages 4-8% faster than 2.
 TENSOR_CORE_BLOCK_V = 128
 TENSOR_CORE_STAGES = 3
+SEPARATE_TERMS_FROM_LEN = 4
+SEPARATE_TERMS_FROM_HEADS = 2048
+SEPARATE_TERMS_BLOCK_V = 64
+SEPARATE_TERMS_WARPS = 4
+WINDOW_TERMS_WARPS = 2
 
 
 class VerifyConfig(NamedTuple):
-    """Compile-time choices of the verify kernel (measured best on an H200)."""
+    """Compile-time choices of the verify kernels (measured best on an H200)."""
     block_v: int
     key_chunk: int
     v_tiles: int
     unroll_tokens: bool
     closed_form: bool
     tensor_cores: bool
+    separate_terms: bool  # tensor cores, the window terms in a kernel of their own
     stages: int
     num_warps: int
 
@@ -452,12 +445,19 @@ class VerifyConfig(NamedTuple):
 def verify_config(key_dim, value_dim, request_heads, spec_len):
     """The VerifyConfig for `request_heads` = batch * heads."""
     key_chunk = min(triton.next_power_of_2(key_dim), 32)
+    tensor_core_rows = triton.next_power_of_2(value_dim)
+    if (SEPARATE_TERMS_FROM_LEN <= spec_len <= TENSOR_CORES_UP_TO and key_dim >= 16
+            and statically_known_true(request_heads >= SEPARATE_TERMS_FROM_HEADS)):
+        # 16 rows at least: smaller tiles the tensor cores only take padded.
+        BV = max(min(tensor_core_rows, SEPARATE_TERMS_BLOCK_V), 16)
+        return VerifyConfig(block_v=BV, key_chunk=key_chunk, v_tiles=1, unroll_tokens=True,
+                            closed_form=True, tensor_cores=True, separate_terms=True,
+                            stages=TENSOR_CORE_STAGES, num_warps=SEPARATE_TERMS_WARPS)
     if (CLOSED_FORM_UP_TO < spec_len <= TENSOR_CORES_UP_TO and key_dim >= 16
             and statically_known_true(request_heads >= TENSOR_CORES_FROM_HEADS)):
-        # 16 rows at least: smaller tiles the tensor cores only take padded.
-        BV = max(min(triton.next_power_of_2(value_dim), TENSOR_CORE_BLOCK_V), 16)
+        BV = max(min(tensor_core_rows, TENSOR_CORE_BLOCK_V), 16)
         return VerifyConfig(block_v=BV, key_chunk=key_chunk, v_tiles=1, unroll_tokens=True,
-                            closed_form=True, tensor_cores=True,
+                            closed_form=True, tensor_cores=True, separate_terms=False,
                             stages=TENSOR_CORE_STAGES, num_warps=8 if BV >= 128 else 4)
     BV = min(triton.next_power_of_2(value_dim), 32)
     two_tiles = value_dim > BV and statically_known_true(request_heads >= TWO_TILES_FROM_HEADS)
@@ -465,7 +465,7 @@ def verify_config(key_dim, value_dim, request_heads, spec_len):
     return VerifyConfig(
         block_v=BV, key_chunk=key_chunk, v_tiles=2 if two_tiles else 1,
         unroll_tokens=closed or (not two_tiles and spec_len <= UNROLL_ONE_TILE_UP_TO),
-        closed_form=closed, tensor_cores=False, stages=1, num_warps=4)
+        closed_form=closed, tensor_cores=False, separate_terms=False, stages=1, num_warps=4)
 
 
 def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -474,23 +474,45 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         return
     num_heads, K, V = dims.num_heads, dims.key_dim, dims.value_dim
     BK = triton.next_power_of_2(K)
+    BT = triton.next_power_of_2(dims.spec_len)
     config = verify_config(K, V, dims.batch * num_heads, dims.spec_len)
     BV, v_tiles, closed = config.block_v, config.v_tiles, config.closed_form
     dt_strides = (dt_bias.stride(0), dt_bias.stride(1)) if dt_bias.dim() == 2 else (
         K * dt_bias.stride(0), dt_bias.stride(0))
+    index_args = (query_start_loc, state_indices)
+    scalars = (dims.num_blocks, float(lower_bound or 0.0), float(scale))
+    if config.separate_terms:
+        # Per (request, head): E k and E q of every token, and the couplings.
+        terms = torch.empty((dims.batch, num_heads, 2 * BT, BK), device=q.device,
+                            dtype=torch.float32)
+        coupling = torch.empty((dims.batch, num_heads, 2 * BT * BT), device=q.device,
+                               dtype=torch.float32)
+        wrap_triton(_window_terms_kernel)[(dims.batch, num_heads)](
+            q, k, g, A_log, dt_bias, key_gate, terms, coupling, *index_args, *scalars,
+            *_token_strides(q), *_token_strides(k), *_token_strides(g),
+            A_log.stride(0), *dt_strides, *key_gate.stride(),
+            query_start_loc.stride(0), state_indices.stride(0),
+            K=K, BK=BK, SPEC_LEN=dims.spec_len, BT=BT, USE_LOWER_BOUND=lower_bound is not None,
+            num_warps=WINDOW_TERMS_WARPS,
+        )
+        wrap_triton(_tensor_core_verify_kernel)[(triton.cdiv(V, BV), dims.batch, num_heads)](
+            v, beta, state, correction, out, terms, coupling, *index_args, dims.num_blocks,
+            *_token_strides(v), *beta.stride()[-2:], *state.stride(), *correction.stride(),
+            *_token_strides(out), query_start_loc.stride(0), state_indices.stride(0),
+            K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT, NP=max(16, 2 * BT),
+            KEY_CHUNK=config.key_chunk, STAGES=config.stages, num_warps=config.num_warps,
+        )
+        return
     grid = (triton.cdiv(triton.cdiv(V, BV), v_tiles), dims.batch, num_heads)
     # Per (request, head, token): decay, key, query and k.q; in closed form
     # E k, E q, key, query, decay and the T x T couplings A and B.
-    BT = triton.next_power_of_2(dims.spec_len)
     vectors = torch.empty((dims.batch, num_heads, BT, (5 if closed else 3) * BK),
                           device=q.device, dtype=torch.float32)
     coupling = torch.empty((dims.batch, num_heads, 2 * BT * BT if closed else BT),
                            device=q.device, dtype=torch.float32)
     wrap_triton(_verify_kernel)[grid](
         q, k, v, g, beta, A_log, dt_bias,
-        state, correction, key_gate, out, vectors, coupling,
-        query_start_loc, state_indices,
-        dims.num_blocks, float(lower_bound or 0.0), float(scale),
+        state, correction, key_gate, out, vectors, coupling, *index_args, *scalars,
         *_token_strides(q), *_token_strides(k), *_token_strides(v), *_token_strides(g),
         *beta.stride()[-2:],
         A_log.stride(0), *dt_strides,

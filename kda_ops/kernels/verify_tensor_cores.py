@@ -1,0 +1,201 @@
+"""Verify in closed form with the state products on tensor cores, in two kernels.
+
+The closed form (see verify._closed_form_tile) needs, per (request, head), every
+token's decayed key E_t k_t and query E_t q_t and the T x T coupling of the
+window; these depend on the activations only. The first kernel computes them
+for every (request, head) at once and writes the key/gate records; the second
+only streams the checkpoint: one `[BV, 2T]` product of a state tile with the
+decayed keys and queries (3xTF32 `tl.dot` over key chunks pipelined through
+shared memory), then links the tokens. In one kernel (the eleventh session's
+form) that token-side work sat between a program's start and its first state
+load, with nothing to overlap it when two programs fill an SM: the product
+kernel alone ran at T = 8 in 218 us against 375 for the whole fused kernel
+(B = 256, H200, docs/performance.md).
+"""
+
+import triton
+import triton.language as tl
+
+from .common import block_is_valid, kda_gate, l2_normalize, link_tokens, live_range
+
+
+@triton.jit
+def _window_terms_kernel(
+    q_ptr, k_ptr, g_ptr, A_log_ptr, dt_bias_ptr, key_gate_ptr, terms_ptr, coupling_ptr,
+    query_start_ptr, state_indices_ptr,
+    num_blocks, lower_bound, scale,
+    stride_q_tok, stride_q_head, stride_q_dim,
+    stride_k_tok, stride_k_head, stride_k_dim,
+    stride_g_tok, stride_g_head, stride_g_dim,
+    stride_A_head, stride_dt_head, stride_dt_dim,
+    stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
+    stride_query_start, stride_state_indices,
+    K: tl.constexpr, BK: tl.constexpr, SPEC_LEN: tl.constexpr, BT: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
+    """Per (request, head): rows t and BT + t of `terms` [2 BT, BK] get E_t k_t
+    and E_t q_t, `coupling` [2, BT, BT] gets A[t, s] at [0, s, t] and B[t, s] at
+    [1, s, t] (see _coupling), and the key/gate record is written. Rows past
+    the window hold zeros (a decay of 1), so their coupling is zero."""
+    lower_bound = tl.cast(lower_bound, tl.float32)
+    scale = tl.cast(scale, tl.float32)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    bos = tl.load(query_start_ptr + b * stride_query_start).to(tl.int64)
+    eos = tl.load(query_start_ptr + (b + 1) * stride_query_start).to(tl.int64)
+    block = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+    if block_is_valid(block, num_blocks):
+        processed = tl.minimum(tl.maximum(eos - bos, 0), SPEC_LEN)
+        offs_k = tl.arange(0, BK)
+        mask_k = offs_k < K
+        steps = tl.arange(0, BT)
+        tokens = bos + steps[:, None]
+        tile_mask = (steps < processed)[:, None] & mask_k[None, :]
+        raw_k = tl.load(k_ptr + tokens * stride_k_tok + h * stride_k_head
+                        + offs_k[None, :] * stride_k_dim, mask=tile_mask, other=0.0)
+        raw_g = tl.load(g_ptr + tokens * stride_g_tok + h * stride_g_head
+                        + offs_k[None, :] * stride_g_dim, mask=tile_mask, other=0.0)
+        raw_q = tl.load(q_ptr + tokens * stride_q_tok + h * stride_q_head
+                        + offs_k[None, :] * stride_q_dim, mask=tile_mask, other=0.0)
+        A = tl.exp(tl.load(A_log_ptr + h * stride_A_head).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + h * stride_dt_head + offs_k * stride_dt_dim,
+                          mask=mask_k, other=0.0).to(tl.float32)
+        keys = l2_normalize(raw_k.to(tl.float32), 1.0)
+        queries = l2_normalize(raw_q.to(tl.float32), scale)
+        decays = tl.exp(kda_gate(raw_g.to(tl.float32), dt_bias[None, :], A, lower_bound,
+                                 USE_LOWER_BOUND))
+        window_decays = tl.cumprod(tl.where(tile_mask, decays, 1.0), axis=0)
+        head_row = b * tl.num_programs(1) + h
+        terms_tile = terms_ptr + head_row * (2 * BT * BK) + steps[:, None] * BK + offs_k[None, :]
+        tl.store(terms_tile, keys * window_decays)
+        tl.store(terms_tile + BT * BK, queries * window_decays)
+        key_coupling, query_coupling = _coupling(
+            keys, steps, bos, processed, h, offs_k, k_ptr, g_ptr, q_ptr,
+            stride_k_tok, stride_k_head, stride_k_dim, stride_g_tok, stride_g_head,
+            stride_g_dim, stride_q_tok, stride_q_head, stride_q_dim, dt_bias, A,
+            lower_bound, scale, K, SPEC_LEN, USE_LOWER_BOUND)
+        coupling_tile = coupling_ptr + head_row * (2 * BT * BT) + steps[:, None] * BT + steps[None, :]
+        tl.store(coupling_tile, key_coupling)
+        tl.store(coupling_tile + BT * BT, query_coupling)
+        kg_tile = (key_gate_ptr + block * stride_kg_blk + h * stride_kg_head
+                   + steps[:, None] * stride_kg_tok + offs_k[None, :] * stride_kg_dim)
+        tl.store(kg_tile, raw_k, mask=tile_mask)
+        tl.store(kg_tile + K * stride_kg_dim, raw_g, mask=tile_mask)
+
+
+@triton.jit
+def _coupling(keys, steps, bos, processed, h, offs_k, k_ptr, g_ptr, q_ptr,
+              stride_k_tok, stride_k_head, stride_k_dim, stride_g_tok, stride_g_head,
+              stride_g_dim, stride_q_tok, stride_q_head, stride_q_dim, dt_bias, A,
+              lower_bound, scale, K: tl.constexpr, SPEC_LEN: tl.constexpr,
+              USE_LOWER_BOUND: tl.constexpr):
+    """The window's couplings as `[s, t]` tiles, from its normalised keys
+    `[BT, BK]`: A[t, s] = k_s . (D_{s+1} ... D_t) k_t for s < t and
+    B[t, s] = k_s . (D_{s+1} ... D_t) q_t for s <= t, zero elsewhere. Row s of
+    `carried` holds k_s decayed by tokens s+1..t, the decays multiplied in
+    token by token (exp of differences of cumulative gates would lose digits
+    when one gate is large). Token t's key, query and gate are loaded and
+    normalised at the tile's shape, every row the same, so that they arrive in
+    its layout: taking row t out of the tile would reduce across warps."""
+    BT: tl.constexpr = keys.shape[0]
+    BK: tl.constexpr = keys.shape[1]
+    offs = tl.broadcast_to(offs_k[None, :], (BT, BK))
+    carried = keys
+    key_coupling = tl.zeros([BT, BT], dtype=tl.float32)
+    query_coupling = tl.zeros([BT, BT], dtype=tl.float32)
+    for t in tl.static_range(SPEC_LEN):
+        row_mask = live_range(offs, K, t < processed)
+        token = bos + t
+        key = l2_normalize(tl.load(k_ptr + token * stride_k_tok + h * stride_k_head
+                                   + offs * stride_k_dim, mask=row_mask, other=0.0).to(tl.float32),
+                           1.0)
+        query = l2_normalize(tl.load(q_ptr + token * stride_q_tok + h * stride_q_head
+                                     + offs * stride_q_dim, mask=row_mask, other=0.0).to(tl.float32),
+                             scale)
+        if t > 0:
+            raw_g = tl.load(g_ptr + token * stride_g_tok + h * stride_g_head + offs * stride_g_dim,
+                            mask=row_mask, other=0.0).to(tl.float32)
+            decay = tl.where(row_mask, tl.exp(kda_gate(raw_g, dt_bias[None, :], A, lower_bound,
+                                                       USE_LOWER_BOUND)), 1.0)
+            carried = tl.where(steps[:, None] < t, carried * decay, keys)
+        column_t = steps[None, :] == t
+        key_coupling = tl.where(column_t & (steps[:, None] < t),
+                                tl.sum(carried * key, axis=1)[:, None], key_coupling)
+        query_coupling = tl.where(column_t & (steps[:, None] <= t),
+                                  tl.sum(carried * query, axis=1)[:, None], query_coupling)
+    return key_coupling, query_coupling
+
+
+@triton.jit
+def _tensor_core_verify_kernel(
+    v_ptr, beta_ptr, state_ptr, correction_ptr, out_ptr, terms_ptr, coupling_ptr,
+    query_start_ptr, state_indices_ptr,
+    num_blocks,
+    stride_v_tok, stride_v_head, stride_v_dim,
+    stride_beta_tok, stride_beta_head,
+    stride_s_blk, stride_s_head, stride_s_v, stride_s_k,
+    stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
+    stride_o_tok, stride_o_head, stride_o_dim,
+    stride_query_start, stride_state_indices,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    SPEC_LEN: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, KEY_CHUNK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """One `[BV]` tile of a (request, head): the closed form from the checkpoint
+    and the window terms. Column n < BT of the `[BV, NP]` product is S0 (E_n k_n),
+    column BT + n is S0 (E_n q_n); columns past 2 BT (NP >= 16 for the tensor
+    cores) multiply zeros. 3xTF32 splits each operand into two TF32 parts and
+    keeps fp32 accuracy; plain TF32 would not."""
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    bos = tl.load(query_start_ptr + b * stride_query_start).to(tl.int64)
+    eos = tl.load(query_start_ptr + (b + 1) * stride_query_start).to(tl.int64)
+    window = tl.maximum(eos - bos, 0)
+    block = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+    valid = block_is_valid(block, num_blocks)
+    # Null rows, and tokens past the record capacity, get zero outputs.
+    zero_from = tl.where(valid, SPEC_LEN, 0).to(tl.int64)
+    offs_v = tile * BV + tl.arange(0, BV)
+    mask_v = offs_v < V
+    if valid:
+        processed = tl.minimum(window, SPEC_LEN)
+        head_row = b * tl.num_programs(2) + h
+        cols = tl.arange(0, NP)
+        chunk = tl.arange(0, KEY_CHUNK)
+        term_cols = terms_ptr + head_row * (2 * BT * BK) + cols * BK
+        term_mask = (cols < 2 * BT)[None, :]
+        rows = state_ptr + block * stride_s_blk + h * stride_s_head + offs_v[:, None] * stride_s_v
+        products = tl.zeros([BV, NP], dtype=tl.float32)
+        for k0 in tl.range(0, BK, KEY_CHUNK, num_stages=STAGES):
+            keys = k0 + chunk
+            s = tl.load(rows + keys[None, :] * stride_s_k,
+                        mask=mask_v[:, None] & (keys < K)[None, :], other=0.0).to(tl.float32)
+            w = tl.load(term_cols[None, :] + keys[:, None], mask=term_mask, other=0.0)
+            products = tl.dot(s, w, products, input_precision="tf32x3")
+        steps = tl.arange(0, BT)
+        coupling_at = coupling_ptr + head_row * (2 * BT * BT)
+        v_rows = v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim
+        beta_at = beta_ptr + bos * stride_beta_tok + h * stride_beta_head
+        residuals = ()
+        query_dots = ()
+        for t in tl.static_range(SPEC_LEN):
+            v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, t < processed),
+                        other=0.0).to(tl.float32)
+            residuals = residuals + (
+                v - tl.sum(tl.where(cols[None, :] == t, products, 0.0), axis=1),)
+            query_dots = query_dots + (
+                tl.sum(tl.where(cols[None, :] == BT + t, products, 0.0), axis=1),)
+        outs, corrections = link_tokens(
+            residuals, query_dots, tl.zeros([BV, BT], dtype=tl.float32),
+            tl.zeros([BV, BT], dtype=tl.float32), processed, steps, coupling_at, beta_at,
+            stride_beta_tok, BT, SPEC_LEN)
+        step_mask = mask_v[:, None] & (steps < processed)[None, :]
+        tl.store(out_ptr + (bos + steps[None, :]) * stride_o_tok + h * stride_o_head
+                 + offs_v[:, None] * stride_o_dim, outs, mask=step_mask)
+        tl.store(correction_ptr + block * stride_c_blk + h * stride_c_head
+                 + steps[None, :] * stride_c_tok + offs_v[:, None] * stride_c_dim,
+                 corrections, mask=step_mask)
+    for t in range(zero_from, window):
+        tl.store(out_ptr + (bos + t) * stride_o_tok + h * stride_o_head + offs_v * stride_o_dim,
+                 tl.zeros([BV], dtype=tl.float32), mask=mask_v)
