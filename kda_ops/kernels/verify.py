@@ -28,8 +28,8 @@ the closed form with its products on tensor cores (see TENSOR_CORES_UP_TO):
 one program per head, one `[V, 2T]` product of the checkpoint with every
 token's decayed key and query: 27-29% faster than the token loop at T = 8
 from B = 8. From 2048 pairs, windows of four to eight tokens run the tensor-core
-form in two kernels (verify_tensor_cores.py): 6-13% faster again at T = 8
-from B = 64, and at T = 4 8-15% faster than the FMA closed form from B = 64
+form in two kernels (verify_tensor_cores.py): 10-16% faster again at T = 8
+from B = 64, and at T = 4 10-17% faster than the FMA closed form from B = 64
 (docs/performance.md).
 """
 
@@ -411,13 +411,14 @@ CLOSED_FORM_UP_TO = 4
 # From 2048 pairs, windows of four to eight tokens run it in two kernels
 # instead (verify_tensor_cores.py: the window terms in a kernel of their own,
 # then 64-row programs, 4 warps, that only stream the state). Measured on an
-# H200 (H = 32, K = V = 128): T = 8 -6 / -10 / -13% at B = 64 / 128 / 256
-# against the one-kernel form above (+40% at B = 8, +4% at 32); T = 4 -8 / -12
-# / -15% against the FMA closed form (-2% at B = 32, +29% at 8); T = 2 slower
-# at every batch (+5% at best), so it keeps the FMA form. Lengths 5 to 7 run
-# the code of BT = 8 and T = 3 keeps the FMA form (neither timed in this form).
-# A symbolic batch takes neither tensor-core form unless its range proves the
-# bound, as for TWO_TILES_FROM_HEADS.
+# H200 (H = 32, K = V = 128) at B = 64 / 128 / 256: T = 8 -10 / -12 / -16%
+# against the one-kernel form above, T = 4 -10 / -14 / -17% against the FMA
+# closed form. Below, close variants of it were slower (T = 8, B = 32: +4 to
+# +7%; T = 4, B = 8: +29%); at T = 2 it was slower at every batch (+5% at
+# best), so T = 2 keeps the FMA form. Lengths 5 to 7 run the code of BT = 8;
+# T = 3 keeps the FMA form (neither timed in this form). A symbolic batch takes
+# neither tensor-core form unless its range proves the bound, as for
+# TWO_TILES_FROM_HEADS.
 TENSOR_CORES_UP_TO = 8
 TENSOR_CORES_FROM_HEADS = 256
 TENSOR_CORE_BLOCK_V = 128
