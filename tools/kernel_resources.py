@@ -1,7 +1,8 @@
 """Registers, spills and shared memory of the kda_ops kernels on sm_90, offline.
 
     python tools/kernel_resources.py [--spec-lens 2,4,8] [--ttgir DIR]
-        [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS] [--commit-config BV,WARPS]
+        [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS]
+        [--commit-config BV,WARPS]
 
 Compiles the state kernels for an H100/H200 target without a GPU (Triton's
 compiler plus the ptxas it ships), at the benchmark's shapes (H = 32, K = V = 128,
@@ -89,8 +90,8 @@ def main(argv=None):
     parser.add_argument("--spec-lens", default="2,4,8")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
     parser.add_argument("--verify-config", default=None,
-                        help="BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS of verify instead "
-                             "of the package's (which is taken at B = 128)")
+                        help="BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS of "
+                             "verify instead of the package's (which is taken at B = 128)")
     parser.add_argument("--commit-config", default=None,
                         help="BV,WARPS of the commit fold instead of the package's")
     args = parser.parse_args(argv)

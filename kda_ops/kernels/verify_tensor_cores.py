@@ -9,7 +9,7 @@ decayed keys and queries (3xTF32 `tl.dot` over key chunks pipelined through
 shared memory), then links the tokens. In one kernel (the eleventh session's
 form) that token-side work sat between a program's start and its first state
 load, with nothing to overlap it when two programs fill an SM: the product
-kernel alone ran at T = 8 in 218 us against 375 for the whole fused kernel
+kernel alone ran at T = 8 in 219 us against 375 for the whole fused kernel
 (B = 256, H200, docs/performance.md).
 """
 
@@ -74,7 +74,8 @@ def _window_terms_kernel(
             stride_k_tok, stride_k_head, stride_k_dim, stride_g_tok, stride_g_head,
             stride_g_dim, stride_q_tok, stride_q_head, stride_q_dim, dt_bias, A,
             lower_bound, scale, K, SPEC_LEN, USE_LOWER_BOUND)
-        coupling_tile = coupling_ptr + head_row * (2 * BT * BT) + steps[:, None] * BT + steps[None, :]
+        coupling_tile = (coupling_ptr + head_row * (2 * BT * BT)
+                         + steps[:, None] * BT + steps[None, :])
         tl.store(coupling_tile, key_coupling)
         tl.store(coupling_tile + BT * BT, query_coupling)
         kg_tile = (key_gate_ptr + block * stride_kg_blk + h * stride_kg_head
@@ -107,11 +108,11 @@ def _coupling(keys, steps, bos, processed, h, offs_k, k_ptr, g_ptr, q_ptr,
         row_mask = live_range(offs, K, t < processed)
         token = bos + t
         key = l2_normalize(tl.load(k_ptr + token * stride_k_tok + h * stride_k_head
-                                   + offs * stride_k_dim, mask=row_mask, other=0.0).to(tl.float32),
-                           1.0)
+                                   + offs * stride_k_dim, mask=row_mask,
+                                   other=0.0).to(tl.float32), 1.0)
         query = l2_normalize(tl.load(q_ptr + token * stride_q_tok + h * stride_q_head
-                                     + offs * stride_q_dim, mask=row_mask, other=0.0).to(tl.float32),
-                             scale)
+                                     + offs * stride_q_dim, mask=row_mask,
+                                     other=0.0).to(tl.float32), scale)
         if t > 0:
             raw_g = tl.load(g_ptr + token * stride_g_tok + h * stride_g_head + offs * stride_g_dim,
                             mask=row_mask, other=0.0).to(tl.float32)
