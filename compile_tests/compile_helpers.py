@@ -118,10 +118,18 @@ def op_problems(device, seed=0):
     cols = W - 1 + T - 1
     problems = {}
 
-    verify_args = dict(q=rand(n, H, K), k=rand(n, H, K), v=rand(n, H, V), g=rand(n, H, K),
-                       beta=rand(n, H), A_log=rand(H), dt_bias=rand(H, K), state=rand(N, H, V, K),
-                       correction=rand(N, H, T, V), key_gate=rand(N, H, T, 2 * K),
-                       query_start_loc=qsl, state_indices=si, out=rand(n, H, V))
+    def verify_kwargs(heads, spec_len, lens, indices):
+        tokens = sum(lens)
+        return dict(q=rand(tokens, heads, K), k=rand(tokens, heads, K),
+                    v=rand(tokens, heads, V), g=rand(tokens, heads, K), beta=rand(tokens, heads),
+                    A_log=rand(heads), dt_bias=rand(heads, K), state=rand(N, heads, V, K),
+                    correction=rand(N, heads, spec_len, V),
+                    key_gate=rand(N, heads, spec_len, 2 * K),
+                    query_start_loc=_qsl(lens, device), state_indices=ints(indices),
+                    out=rand(tokens, heads, V))
+
+    # The metadata tensors shared with commit's problems.
+    verify_args = dict(verify_kwargs(H, T, lens, indices), query_start_loc=qsl, state_indices=si)
     problems["verify"] = (torch.ops.kda_ops.verify.default, verify_args)
     bf16 = {name: (t.to(torch.bfloat16) if name in ("q", "k", "v", "g", "beta", "key_gate", "out")
                    else t) for name, t in verify_args.items()}
@@ -131,23 +139,13 @@ def op_problems(device, seed=0):
     problems["verify_bf16_lower_bound"] = (torch.ops.kda_ops.verify.default,
                                            dict(bf16, lower_bound=-5.0, scale=0.3))
     # Six-token windows over 8 x 32 (request, head) pairs: verify's tensor-core form.
-    TH, TT, tc_lens = 32, 6, [6, 1, 4, 6, 0, 3, 6, 2]
-    tc_n = sum(tc_lens)
     problems["verify_tensor_cores"] = (torch.ops.kda_ops.verify.default, dict(
-        q=rand(tc_n, TH, K), k=rand(tc_n, TH, K), v=rand(tc_n, TH, V), g=rand(tc_n, TH, K),
-        beta=rand(tc_n, TH), A_log=rand(TH), dt_bias=rand(TH, K), state=rand(N, TH, V, K),
-        correction=rand(N, TH, TT, V), key_gate=rand(N, TH, TT, 2 * K),
-        query_start_loc=_qsl(tc_lens, device), state_indices=ints([1, 2, 0, 3, 4, 5, 9, 2]),
-        out=rand(tc_n, TH, V), lower_bound=-5.0))
+        verify_kwargs(32, 6, [6, 1, 4, 6, 0, 3, 6, 2], [1, 2, 0, 3, 4, 5, 9, 2]),
+        lower_bound=-5.0))
     # Four-token windows over 64 x 32 pairs: the tensor-core form in two kernels.
-    st_lens = [4, 1, 3, 0, 4, 2, 4, 4] * 8
-    st_n = sum(st_lens)
     problems["verify_separate_terms"] = (torch.ops.kda_ops.verify.default, dict(
-        q=rand(st_n, TH, K), k=rand(st_n, TH, K), v=rand(st_n, TH, V), g=rand(st_n, TH, K),
-        beta=rand(st_n, TH), A_log=rand(TH), dt_bias=rand(TH, K), state=rand(N, TH, V, K),
-        correction=rand(N, TH, 4, V), key_gate=rand(N, TH, 4, 2 * K),
-        query_start_loc=_qsl(st_lens, device), state_indices=ints([1, 2, 0, 3, 4, 5, 9, 2] * 8),
-        out=rand(st_n, TH, V), lower_bound=-5.0))
+        verify_kwargs(32, 4, [4, 1, 3, 0, 4, 2, 4, 4] * 8, [1, 2, 0, 3, 4, 5, 9, 2] * 8),
+        lower_bound=-5.0))
 
     # Engine layout: conv state stored [L, N, cols, D], passed dim-first.
     commit_args = dict(num_accepted_tokens=accepted, state_indices=si, query_start_loc=qsl,

@@ -25,6 +25,33 @@ def l2_normalize(x, scale):
 
 
 @triton.jit
+def load_window(k_ptr, g_ptr, q_ptr, tokens, h, offs_k, tile_mask, stride_k_tok, stride_k_head,
+                stride_k_dim, stride_g_tok, stride_g_head, stride_g_dim, stride_q_tok,
+                stride_q_head, stride_q_dim):
+    """A window's raw key, gate and query tiles `[BT, BK]` (row t: token
+    `tokens[t]`, zero outside `tile_mask`)."""
+    raw_k = tl.load(k_ptr + tokens * stride_k_tok + h * stride_k_head
+                    + offs_k[None, :] * stride_k_dim, mask=tile_mask, other=0.0)
+    raw_g = tl.load(g_ptr + tokens * stride_g_tok + h * stride_g_head
+                    + offs_k[None, :] * stride_g_dim, mask=tile_mask, other=0.0)
+    raw_q = tl.load(q_ptr + tokens * stride_q_tok + h * stride_q_head
+                    + offs_k[None, :] * stride_q_dim, mask=tile_mask, other=0.0)
+    return raw_k, raw_g, raw_q
+
+
+@triton.jit
+def window_vectors(raw_k, raw_g, raw_q, dt_bias, A, lower_bound, scale,
+                   USE_LOWER_BOUND: tl.constexpr):
+    """The normalised keys and queries and the per-channel decays of a window's
+    raw tiles, in fp32."""
+    keys = l2_normalize(raw_k.to(tl.float32), 1.0)
+    queries = l2_normalize(raw_q.to(tl.float32), scale)
+    decays = tl.exp(kda_gate(raw_g.to(tl.float32), dt_bias[None, :], A, lower_bound,
+                             USE_LOWER_BOUND))
+    return keys, queries, decays
+
+
+@triton.jit
 def live_range(offs, size, live):
     """`(offs < size) & live` for a scalar `live`, written as one comparison: the
     Triton 3.9 interpreter mis-broadcasts a scalar bool and-ed with a vector."""

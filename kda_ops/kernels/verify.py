@@ -41,8 +41,8 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import wrap_triton
 
-from .common import block_is_valid, kda_gate, l2_normalize, link_tokens, live_range
-from .verify_tensor_cores import _tensor_core_verify_kernel, _window_terms_kernel
+from .common import block_is_valid, link_tokens, live_range, load_window, window_vectors
+from .verify_tensor_cores import _tensor_core_verify_kernel, _window_terms_kernel, tensor_core_tile
 
 
 @triton.jit
@@ -109,16 +109,12 @@ def _verify_kernel(
         steps = tl.arange(0, BT)
         tokens = bos + steps[:, None]
         tile_mask = (steps < processed)[:, None] & mask_k[None, :]
-        raw_k = tl.load(k_ptr + tokens * stride_k_tok + h * stride_k_head
-                        + offs_k[None, :] * stride_k_dim, mask=tile_mask, other=0.0)
-        raw_g = tl.load(g_ptr + tokens * stride_g_tok + h * stride_g_head
-                        + offs_k[None, :] * stride_g_dim, mask=tile_mask, other=0.0)
-        raw_q = tl.load(q_ptr + tokens * stride_q_tok + h * stride_q_head
-                        + offs_k[None, :] * stride_q_dim, mask=tile_mask, other=0.0)
-        keys = l2_normalize(raw_k.to(tl.float32), 1.0)
-        queries = l2_normalize(raw_q.to(tl.float32), scale)
-        decays = tl.exp(kda_gate(raw_g.to(tl.float32), dt_bias[None, :], A, lower_bound,
-                                 USE_LOWER_BOUND))
+        raw_k, raw_g, raw_q = load_window(
+            k_ptr, g_ptr, q_ptr, tokens, h, offs_k, tile_mask, stride_k_tok, stride_k_head,
+            stride_k_dim, stride_g_tok, stride_g_head, stride_g_dim, stride_q_tok,
+            stride_q_head, stride_q_dim)
+        keys, queries, decays = window_vectors(raw_k, raw_g, raw_q, dt_bias, A, lower_bound,
+                                               scale, USE_LOWER_BOUND)
         head_row = b * tl.num_programs(2) + h
         NUM_VECTORS: tl.constexpr = 5 if CLOSED_FORM else 3
         vec_base = vectors_ptr + head_row * (BT * NUM_VECTORS * BK)
@@ -187,8 +183,11 @@ def _verify_kernel(
             outs = tl.zeros([BV, BT], dtype=tl.float32)
             corrections = tl.zeros([BV, BT], dtype=tl.float32)
             if TENSOR_CORES:
-                outs, corrections = _tensor_core_tile(
-                    state_head, tile, outs, corrections, processed, steps, vec_base, coupling_at,
+                # Column n reads token n % BT's E k (n < BT) or E q (BT <= n < 2 BT).
+                cols = tl.arange(0, NP)
+                term_cols = vec_base + (cols % BT) * (5 * BK) + (cols // BT) * BK
+                outs, corrections = tensor_core_tile(
+                    state_head, term_cols, outs, corrections, processed, steps, coupling_at,
                     v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
                     stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES)
             elif CLOSED_FORM:
@@ -326,44 +325,6 @@ def _closed_form_tile(state, outs, corrections, processed, steps, vec_base, slot
                     other=0.0).to(tl.float32)
         residuals = residuals + (v - _row_dot(state * key, NUM_CHUNKS, BV, KEY_CHUNK),)
         query_dots = query_dots + (_row_dot(state * query, NUM_CHUNKS, BV, KEY_CHUNK),)
-    return link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,
-                       beta_at, stride_beta_tok, BT, SPEC_LEN)
-
-
-@triton.jit
-def _tensor_core_tile(state_head, tile, outs, corrections, processed, steps, vec_base,
-                      coupling_at, v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
-                      stride_beta_tok, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
-                      SPEC_LEN: tl.constexpr, KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr):
-    """The closed form with its 2T products on tensor cores: one `[BV, NP]`
-    product of the state tile with every token's E k (column t) and E q
-    (column BT + t), read from the workspace, over key chunks that Triton
-    pipelines through shared memory; then the same linking. The products run
-    in 3xTF32 (each operand split into two TF32 parts, three products), which
-    keeps fp32 accuracy: plain TF32 would lose it."""
-    cols = tl.arange(0, NP)
-    chunk = tl.arange(0, KEY_CHUNK)
-    # Column n reads token n % BT's E k (n < BT) or E q (BT <= n < 2 BT).
-    w_cols = vec_base + (cols % BT) * (5 * BK) + (cols // BT) * BK
-    w_mask = (cols < 2 * BT)[None, :]
-    rows = state_head + offs_v[:, None] * stride_s_v
-    rows_ok = (offs_v < V)[:, None]
-    products = tl.zeros([BV, NP], dtype=tl.float32)
-    for k0 in tl.range(0, BK, KEY_CHUNK, num_stages=STAGES):
-        keys = k0 + chunk
-        s = tl.load(rows + keys[None, :] * stride_s_k, mask=rows_ok & (keys < K)[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(w_cols[None, :] + keys[:, None], mask=w_mask, other=0.0)
-        products = tl.dot(s, w, products, input_precision="tf32x3")
-    residuals = ()
-    query_dots = ()
-    for t in tl.static_range(SPEC_LEN):
-        v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, t < processed),
-                    other=0.0).to(tl.float32)
-        residuals = residuals + (v - tl.sum(tl.where(cols[None, :] == t, products, 0.0), axis=1),)
-        query_dots = query_dots + (tl.sum(tl.where(cols[None, :] == BT + t, products, 0.0),
-                                          axis=1),)
     return link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,
                        beta_at, stride_beta_tok, BT, SPEC_LEN)
 

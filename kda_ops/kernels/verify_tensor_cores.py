@@ -16,7 +16,8 @@ kernel alone ran at T = 8 in 219 us against 375 for the whole fused kernel
 import triton
 import triton.language as tl
 
-from .common import block_is_valid, kda_gate, l2_normalize, link_tokens, live_range
+from .common import (block_is_valid, kda_gate, l2_normalize, link_tokens, live_range, load_window,
+                     window_vectors)
 
 
 @triton.jit
@@ -51,19 +52,15 @@ def _window_terms_kernel(
         steps = tl.arange(0, BT)
         tokens = bos + steps[:, None]
         tile_mask = (steps < processed)[:, None] & mask_k[None, :]
-        raw_k = tl.load(k_ptr + tokens * stride_k_tok + h * stride_k_head
-                        + offs_k[None, :] * stride_k_dim, mask=tile_mask, other=0.0)
-        raw_g = tl.load(g_ptr + tokens * stride_g_tok + h * stride_g_head
-                        + offs_k[None, :] * stride_g_dim, mask=tile_mask, other=0.0)
-        raw_q = tl.load(q_ptr + tokens * stride_q_tok + h * stride_q_head
-                        + offs_k[None, :] * stride_q_dim, mask=tile_mask, other=0.0)
+        raw_k, raw_g, raw_q = load_window(
+            k_ptr, g_ptr, q_ptr, tokens, h, offs_k, tile_mask, stride_k_tok, stride_k_head,
+            stride_k_dim, stride_g_tok, stride_g_head, stride_g_dim, stride_q_tok,
+            stride_q_head, stride_q_dim)
         A = tl.exp(tl.load(A_log_ptr + h * stride_A_head).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + h * stride_dt_head + offs_k * stride_dt_dim,
                           mask=mask_k, other=0.0).to(tl.float32)
-        keys = l2_normalize(raw_k.to(tl.float32), 1.0)
-        queries = l2_normalize(raw_q.to(tl.float32), scale)
-        decays = tl.exp(kda_gate(raw_g.to(tl.float32), dt_bias[None, :], A, lower_bound,
-                                 USE_LOWER_BOUND))
+        keys, queries, decays = window_vectors(raw_k, raw_g, raw_q, dt_bias, A, lower_bound,
+                                               scale, USE_LOWER_BOUND)
         window_decays = tl.cumprod(tl.where(tile_mask, decays, 1.0), axis=0)
         head_row = b * tl.num_programs(1) + h
         terms_tile = terms_ptr + head_row * (2 * BT * BK) + steps[:, None] * BK + offs_k[None, :]
@@ -128,6 +125,43 @@ def _coupling(keys, steps, bos, processed, h, offs_k, k_ptr, g_ptr, q_ptr,
 
 
 @triton.jit
+def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps, coupling_at,
+                     v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
+                     stride_beta_tok, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
+                     SPEC_LEN: tl.constexpr, KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr):
+    """A state tile's closed form with its 2T products on tensor cores: one
+    `[BV, NP]` product of the tile with every token's E k (column t) and E q
+    (column BT + t), whose keys start at `term_cols` (`[NP]` pointers; columns
+    past 2 BT, NP >= 16 for the tensor cores, multiply zeros), over key chunks
+    that Triton pipelines through shared memory; then the tokens are linked.
+    The products run in 3xTF32 (each operand split into two TF32 parts, three
+    products), which keeps fp32 accuracy: plain TF32 would lose it."""
+    cols = tl.arange(0, NP)
+    chunk = tl.arange(0, KEY_CHUNK)
+    w_mask = (cols < 2 * BT)[None, :]
+    rows = state_head + offs_v[:, None] * stride_s_v
+    rows_ok = (offs_v < V)[:, None]
+    products = tl.zeros([BV, NP], dtype=tl.float32)
+    for k0 in tl.range(0, BK, KEY_CHUNK, num_stages=STAGES):
+        keys = k0 + chunk
+        s = tl.load(rows + keys[None, :] * stride_s_k, mask=rows_ok & (keys < K)[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(term_cols[None, :] + keys[:, None], mask=w_mask, other=0.0)
+        products = tl.dot(s, w, products, input_precision="tf32x3")
+    residuals = ()
+    query_dots = ()
+    for t in tl.static_range(SPEC_LEN):
+        v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, t < processed),
+                    other=0.0).to(tl.float32)
+        residuals = residuals + (v - tl.sum(tl.where(cols[None, :] == t, products, 0.0), axis=1),)
+        query_dots = query_dots + (tl.sum(tl.where(cols[None, :] == BT + t, products, 0.0),
+                                          axis=1),)
+    return link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,
+                       beta_at, stride_beta_tok, BT, SPEC_LEN)
+
+
+@triton.jit
 def _tensor_core_verify_kernel(
     v_ptr, beta_ptr, state_ptr, correction_ptr, out_ptr, terms_ptr, coupling_ptr,
     query_start_ptr, state_indices_ptr,
@@ -143,10 +177,7 @@ def _tensor_core_verify_kernel(
     STAGES: tl.constexpr,
 ):
     """One `[BV]` tile of a (request, head): the closed form from the checkpoint
-    and the window terms. Column n < BT of the `[BV, NP]` product is S0 (E_n k_n),
-    column BT + n is S0 (E_n q_n); columns past 2 BT (NP >= 16 for the tensor
-    cores) multiply zeros. 3xTF32 splits each operand into two TF32 parts and
-    keeps fp32 accuracy; plain TF32 would not."""
+    and the window terms (tensor_core_tile)."""
     tile = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -162,35 +193,16 @@ def _tensor_core_verify_kernel(
     if valid:
         processed = tl.minimum(window, SPEC_LEN)
         head_row = b * tl.num_programs(2) + h
-        cols = tl.arange(0, NP)
-        chunk = tl.arange(0, KEY_CHUNK)
-        term_cols = terms_ptr + head_row * (2 * BT * BK) + cols * BK
-        term_mask = (cols < 2 * BT)[None, :]
-        rows = state_ptr + block * stride_s_blk + h * stride_s_head + offs_v[:, None] * stride_s_v
-        products = tl.zeros([BV, NP], dtype=tl.float32)
-        for k0 in tl.range(0, BK, KEY_CHUNK, num_stages=STAGES):
-            keys = k0 + chunk
-            s = tl.load(rows + keys[None, :] * stride_s_k,
-                        mask=mask_v[:, None] & (keys < K)[None, :], other=0.0).to(tl.float32)
-            w = tl.load(term_cols[None, :] + keys[:, None], mask=term_mask, other=0.0)
-            products = tl.dot(s, w, products, input_precision="tf32x3")
         steps = tl.arange(0, BT)
-        coupling_at = coupling_ptr + head_row * (2 * BT * BT)
-        v_rows = v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim
-        beta_at = beta_ptr + bos * stride_beta_tok + h * stride_beta_head
-        residuals = ()
-        query_dots = ()
-        for t in tl.static_range(SPEC_LEN):
-            v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, t < processed),
-                        other=0.0).to(tl.float32)
-            residuals = residuals + (
-                v - tl.sum(tl.where(cols[None, :] == t, products, 0.0), axis=1),)
-            query_dots = query_dots + (
-                tl.sum(tl.where(cols[None, :] == BT + t, products, 0.0), axis=1),)
-        outs, corrections = link_tokens(
-            residuals, query_dots, tl.zeros([BV, BT], dtype=tl.float32),
-            tl.zeros([BV, BT], dtype=tl.float32), processed, steps, coupling_at, beta_at,
-            stride_beta_tok, BT, SPEC_LEN)
+        # Column n < BT reads token n's E k, BT <= n < 2 BT token n - BT's E q.
+        term_cols = terms_ptr + head_row * (2 * BT * BK) + tl.arange(0, NP) * BK
+        outs, corrections = tensor_core_tile(
+            state_ptr + block * stride_s_blk + h * stride_s_head, term_cols,
+            tl.zeros([BV, BT], dtype=tl.float32), tl.zeros([BV, BT], dtype=tl.float32),
+            processed, steps, coupling_ptr + head_row * (2 * BT * BT),
+            v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim, offs_v,
+            beta_ptr + bos * stride_beta_tok + h * stride_beta_head, stride_s_v, stride_s_k,
+            stride_v_tok, stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES)
         step_mask = mask_v[:, None] & (steps < processed)[None, :]
         tl.store(out_ptr + (bos + steps[None, :]) * stride_o_tok + h * stride_o_head
                  + offs_v[:, None] * stride_o_dim, outs, mask=step_mask)
