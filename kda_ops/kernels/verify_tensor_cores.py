@@ -16,8 +16,7 @@ kernel alone ran at T = 8 in 219 us against 375 for the whole fused kernel
 import triton
 import triton.language as tl
 
-from .common import (block_is_valid, kda_gate, l2_normalize, link_tokens, live_range, load_window,
-                     window_vectors)
+from .common import block_is_valid, link_tokens, live_range, load_window, window_vectors
 
 
 @triton.jit
@@ -61,16 +60,13 @@ def _window_terms_kernel(
                           mask=mask_k, other=0.0).to(tl.float32)
         keys, queries, decays = window_vectors(raw_k, raw_g, raw_q, dt_bias, A, lower_bound,
                                                scale, USE_LOWER_BOUND)
-        window_decays = tl.cumprod(tl.where(tile_mask, decays, 1.0), axis=0)
+        decays = tl.where(tile_mask, decays, 1.0)
+        window_decays = tl.cumprod(decays, axis=0)
         head_row = b * tl.num_programs(1) + h
         terms_tile = terms_ptr + head_row * (2 * BT * BK) + steps[:, None] * BK + offs_k[None, :]
         tl.store(terms_tile, keys * window_decays)
         tl.store(terms_tile + BT * BK, queries * window_decays)
-        key_coupling, query_coupling = _coupling(
-            keys, steps, bos, processed, h, offs_k, k_ptr, g_ptr, q_ptr,
-            stride_k_tok, stride_k_head, stride_k_dim, stride_g_tok, stride_g_head,
-            stride_g_dim, stride_q_tok, stride_q_head, stride_q_dim, dt_bias, A,
-            lower_bound, scale, K, SPEC_LEN, USE_LOWER_BOUND)
+        key_coupling, query_coupling = _coupling(keys, queries, decays, steps, SPEC_LEN)
         coupling_tile = (coupling_ptr + head_row * (2 * BT * BT)
                          + steps[:, None] * BT + steps[None, :])
         tl.store(coupling_tile, key_coupling)
@@ -82,45 +78,34 @@ def _window_terms_kernel(
 
 
 @triton.jit
-def _coupling(keys, steps, bos, processed, h, offs_k, k_ptr, g_ptr, q_ptr,
-              stride_k_tok, stride_k_head, stride_k_dim, stride_g_tok, stride_g_head,
-              stride_g_dim, stride_q_tok, stride_q_head, stride_q_dim, dt_bias, A,
-              lower_bound, scale, K: tl.constexpr, SPEC_LEN: tl.constexpr,
-              USE_LOWER_BOUND: tl.constexpr):
-    """The window's couplings as `[s, t]` tiles, from its normalised keys
-    `[BT, BK]`: A[t, s] = k_s . (D_{s+1} ... D_t) k_t for s < t and
+def _coupling(keys, queries, decays, steps, SPEC_LEN: tl.constexpr):
+    """The window's couplings as `[s, t]` tiles, from its normalised keys and
+    queries and per-channel decays `[BT, BK]` (decay 1 past the window):
+    A[t, s] = k_s . (D_{s+1} ... D_t) k_t for s < t and
     B[t, s] = k_s . (D_{s+1} ... D_t) q_t for s <= t, zero elsewhere. Row s of
     `carried` holds k_s decayed by tokens s+1..t, the decays multiplied in
     token by token (exp of differences of cumulative gates would lose digits
-    when one gate is large). Token t's key, query and gate are loaded and
-    normalised at the tile's shape, every row the same, so that they arrive in
-    its layout: taking row t out of the tile would reduce across warps."""
+    when one gate is large). Token t's rows are taken out of the tiles by a sum
+    over the rows: in a one-warp program (WINDOW_TERMS_WARPS) every thread
+    holds all rows of its keys, so that sum and the broadcast back stay in
+    registers; with more warps each would cross warps."""
     BT: tl.constexpr = keys.shape[0]
-    BK: tl.constexpr = keys.shape[1]
-    offs = tl.broadcast_to(offs_k[None, :], (BT, BK))
     carried = keys
     key_coupling = tl.zeros([BT, BT], dtype=tl.float32)
     query_coupling = tl.zeros([BT, BT], dtype=tl.float32)
     for t in tl.static_range(SPEC_LEN):
-        row_mask = live_range(offs, K, t < processed)
-        token = bos + t
-        key = l2_normalize(tl.load(k_ptr + token * stride_k_tok + h * stride_k_head
-                                   + offs * stride_k_dim, mask=row_mask,
-                                   other=0.0).to(tl.float32), 1.0)
-        query = l2_normalize(tl.load(q_ptr + token * stride_q_tok + h * stride_q_head
-                                     + offs * stride_q_dim, mask=row_mask,
-                                     other=0.0).to(tl.float32), scale)
+        at_t = steps[:, None] == t
+        key = tl.sum(tl.where(at_t, keys, 0.0), axis=0)
+        query = tl.sum(tl.where(at_t, queries, 0.0), axis=0)
         if t > 0:
-            raw_g = tl.load(g_ptr + token * stride_g_tok + h * stride_g_head + offs * stride_g_dim,
-                            mask=row_mask, other=0.0).to(tl.float32)
-            decay = tl.where(row_mask, tl.exp(kda_gate(raw_g, dt_bias[None, :], A, lower_bound,
-                                                       USE_LOWER_BOUND)), 1.0)
-            carried = tl.where(steps[:, None] < t, carried * decay, keys)
+            decay = tl.sum(tl.where(at_t, decays, 0.0), axis=0)
+            carried = tl.where(steps[:, None] < t, carried * decay[None, :], keys)
         column_t = steps[None, :] == t
         key_coupling = tl.where(column_t & (steps[:, None] < t),
-                                tl.sum(carried * key, axis=1)[:, None], key_coupling)
+                                tl.sum(carried * key[None, :], axis=1)[:, None], key_coupling)
         query_coupling = tl.where(column_t & (steps[:, None] <= t),
-                                  tl.sum(carried * query, axis=1)[:, None], query_coupling)
+                                  tl.sum(carried * query[None, :], axis=1)[:, None],
+                                  query_coupling)
     return key_coupling, query_coupling
 
 
