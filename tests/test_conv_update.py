@@ -120,6 +120,15 @@ def test_conv_update_mixed_dtypes_and_strides(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("transposed", [False, True], ids=["dim_first", "transposed"])
+def test_conv_update_several_channel_tiles(device, transposed):
+    """D = 2100: several full channel tiles of the kernel and a partial one."""
+    args, conv_buffer = make_problem(device, D=2100, dtype=torch.bfloat16,
+                                     transposed=transposed, seed=17)
+    check_against_oracle(args, conv_buffer)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_conv_update_allocates_out(device):
     args, _ = make_problem(device, dtype=torch.bfloat16, seed=8)
     state_before = args["conv_state"].clone()
