@@ -10,6 +10,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from .common import NULL_BLOCK, block_is_valid, commit_plan_row, kda_gate, l2_normalize, live_range
+from .conv import conv_config
 
 
 @triton.jit
@@ -114,7 +115,7 @@ def _commit_conv_kernel(
     stride_accepted, stride_request, stride_state_indices, stride_query_start,
     stride_bt_row, stride_bt_col, stride_computed,
     stride_layer, stride_blk, stride_dim, stride_col,
-    HISTORY: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,
+    HISTORY: tl.constexpr, BD: tl.constexpr,
     SPEC_LEN: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr,
 ):
     pid_d = tl.program_id(0)
@@ -141,26 +142,29 @@ def _commit_conv_kernel(
     final_ok = block_is_valid(final, num_blocks)
     boundary_ok = block_is_valid(boundary, num_blocks)
     if (commit > 0) & block_is_valid(source, num_blocks) & (final_ok | boundary_ok):
+        # One [BD] run of channels per history column: coalesced for the
+        # engine's channel-contiguous layout (as conv_update).
         offs_d = pid_d * BD + tl.arange(0, BD)
-        cols = tl.arange(0, BW)
-        in_history = cols[None, :] < HISTORY
-        mask = (offs_d[:, None] < conv_dim) & in_history
-        final_mask = live_range(offs_d, conv_dim, final_ok)[:, None] & in_history
-        rows = conv_ptr + layer * stride_layer + offs_d[:, None] * stride_dim
-        src = rows + source * stride_blk
+        mask_d = offs_d < conv_dim
+        final_mask = live_range(offs_d, conv_dim, final_ok)
+        boundary_mask = live_range(offs_d, conv_dim, boundary_ok)
+        cols = conv_ptr + layer * stride_layer + offs_d * stride_dim
+        src = cols + source * stride_blk
         # History after n tokens: columns n-1 .. n-1+HISTORY-1 of the window buffer.
-        final_hist = tl.load(src + (commit - 1 + cols[None, :]) * stride_col, mask=mask)
-        boundary_mask = live_range(offs_d, conv_dim, boundary_ok)[:, None] & in_history
-        if ALIGN:
-            boundary_hist = tl.load(src + (recovery - 1 + cols[None, :]) * stride_col,
-                                    mask=boundary_mask)
+        final_hist = ()
+        boundary_hist = ()
+        for c in tl.static_range(HISTORY):
+            final_hist = final_hist + (tl.load(src + (commit - 1 + c) * stride_col, mask=mask_d),)
+            if ALIGN:
+                boundary_hist = boundary_hist + (
+                    tl.load(src + (recovery - 1 + c) * stride_col, mask=boundary_mask),)
         # Columns shift left in place: all loads land before any store.
         tl.debug_barrier()
-        if ALIGN:
-            tl.store(rows + boundary * stride_blk + cols[None, :] * stride_col,
-                     boundary_hist, mask=boundary_mask)
-        tl.store(rows + final * stride_blk + cols[None, :] * stride_col, final_hist,
-                 mask=final_mask)
+        for c in tl.static_range(HISTORY):
+            if ALIGN:
+                tl.store(cols + boundary * stride_blk + c * stride_col, boundary_hist[c],
+                         mask=boundary_mask)
+            tl.store(cols + final * stride_blk + c * stride_col, final_hist[c], mask=final_mask)
 
 
 def gate_param_strides(A_log, dt_bias, stacked, key_dim):
@@ -230,13 +234,12 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         USE_LOWER_BOUND=lower_bound is not None, **flags, num_warps=warps,
     )
     if conv_state is not None:
-        BD = min(triton.next_power_of_2(dims.conv_dim), 256)
+        BD, warps = conv_config(dims.conv_dim)
         grid = (triton.cdiv(dims.conv_dim, BD), plan.batch, dims.num_layers)
         wrap_triton(_commit_conv_kernel)[grid](
             conv_state, *pointers, dims.num_blocks, *scalars, dims.conv_dim, *strides,
             *layer_strides(conv_state, dims.stacked),
-            HISTORY=dims.conv_history, BW=triton.next_power_of_2(dims.conv_history), BD=BD,
-            **flags, num_warps=4,
+            HISTORY=dims.conv_history, BD=BD, **flags, num_warps=warps,
         )
 
 
