@@ -209,7 +209,7 @@ def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, monkey
     with and without a lower bound (decay products that underflow); K = 72
     leaves a partial and an all-padding key chunk, V = 72 a partial 64-row tile
     and one of padding only. Four heads take the form by lowering its
-    threshold (1024 pairs at the real one)."""
+    threshold (768 pairs at the real one)."""
     monkeypatch.setattr(verify_kernels, "SEPARATE_TERMS_FROM_HEADS", 1)
     lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
     config = verify_config(K, V, len(lens) * 4, T)
@@ -224,7 +224,7 @@ def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, monkey
 def test_verify_tensor_cores_threshold():
     """The tensor-core forms by window length and (request, head) pairs: in one
     kernel at T = 5..8 from 256 pairs (below, four token-loop programs per head
-    finish sooner), in two from 1024 at T = 4..8 (below it the one-kernel forms
+    finish sooner), in two from 768 at T = 4..8 (below it the one-kernel forms
     are faster); never at T <= 3 or T >= 9, nor with a batch whose size is not
     known."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -235,11 +235,11 @@ def test_verify_tensor_cores_threshold():
 
     assert form(32 * 7, 8) == (False, False)
     assert form(32 * 8, 8) == (True, False)
-    assert form(32 * 31, 5) == (True, False)
-    assert form(32 * 32, 8) == (True, True)
-    assert form(32 * 32, 5) == (True, True)
-    assert form(32 * 31, 4) == (False, False)
-    assert form(32 * 32, 4) == (True, True)
+    assert form(32 * 23, 5) == (True, False)
+    assert form(32 * 24, 8) == (True, True)
+    assert form(32 * 24, 5) == (True, True)
+    assert form(32 * 23, 4) == (False, False)
+    assert form(32 * 24, 4) == (True, True)
     assert form(32 * 256, 3) == (False, False)
     assert form(32 * 256, 2) == (False, False)
     assert form(32 * 256, 9) == (False, False)

@@ -27,9 +27,9 @@ Windows of five to eight tokens over at least 256 (request, head) pairs run
 the closed form with its products on tensor cores (see TENSOR_CORES_UP_TO):
 one program per head, one `[V, 2T]` product of the checkpoint with every
 token's decayed key and query: 27-29% faster than the token loop at T = 8
-from B = 8. From 1024 pairs, windows of four to eight tokens run the tensor-core
-form in two kernels (verify_tensor_cores.py): 16-26% faster again at T = 8
-from B = 32, and at T = 4 8-20% faster than the FMA closed form from B = 32
+from B = 8. From 768 pairs, windows of four to eight tokens run the tensor-core
+form in two kernels (verify_tensor_cores.py): 12-26% faster again at T = 8
+from B = 24, and at T = 4 7-20% faster than the FMA closed form from B = 24
 (docs/performance.md).
 """
 
@@ -369,14 +369,15 @@ CLOSED_FORM_UP_TO = 4
 # Its tile: 128 rows with 8 warps, 7-19% faster than 64 rows with 4 (two
 # programs per head); 3 stages 4-8% faster than 2 (with 64 rows).
 #
-# From 1024 pairs, windows of four to eight tokens run it in two kernels
+# From 768 pairs, windows of four to eight tokens run it in two kernels
 # instead (verify_tensor_cores.py: the window terms in one-warp programs of
 # their own, then 64-row programs, 4 warps, that only stream the state).
-# Measured on an H200 (H = 32, K = V = 128) at B = 32 / 64 / 256: T = 8 -16 /
-# -22 / -26% against the one-kernel form above, T = 4 -8 / -15 / -20% against
-# the FMA closed form. At B = 16 it was even at T = 8 (26.7 against 27.0 us)
-# and 6% slower at T = 4, at B = 8 24% and 25% slower; at T = 2 close variants
-# were slower at every batch (+5% at best), so T = 2 keeps the FMA form.
+# Measured on an H200 (H = 32, K = V = 128) at B = 24 / 32 / 48: T = 8 -12 /
+# -17 / -22% against the one-kernel form above, T = 4 -7 / -10 / -15% against
+# the FMA closed form; more from B = 64. At B = 16 it was even at T = 8 (26.7
+# against 26.9 us) and 6% slower at T = 4, at B = 8 27% and 26% slower; at
+# T = 2 close variants were slower at every batch (+5% at best), so T = 2
+# keeps the FMA form.
 # Lengths 5 to 7 run the code of BT = 8; T = 3 keeps the FMA form (neither
 # timed in this form). A symbolic batch takes
 # neither tensor-core form unless its range proves the bound, as for
@@ -386,7 +387,7 @@ TENSOR_CORES_FROM_HEADS = 256
 TENSOR_CORE_BLOCK_V = 128
 TENSOR_CORE_STAGES = 3
 SEPARATE_TERMS_FROM_LEN = 4
-SEPARATE_TERMS_FROM_HEADS = 1024
+SEPARATE_TERMS_FROM_HEADS = 768
 SEPARATE_TERMS_BLOCK_V = 64
 SEPARATE_TERMS_WARPS = 4
 WINDOW_TERMS_WARPS = 1  # see verify_tensor_cores._coupling
