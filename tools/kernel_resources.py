@@ -4,7 +4,7 @@
         [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS]
         [--commit-config BV,WARPS]
 
-Compiles the state kernels for an H100/H200 target without a GPU (Triton's
+Compiles the state kernels and conv_update for an H100/H200 target without a GPU (Triton's
 compiler plus the ptxas it ships), at the benchmark's shapes (H = 32, K = V = 128,
 bf16 activations, lower bound on) and the launch configuration the package
 uses, and prints what `ptxas -v` reports. Unit strides are specialised to 1
@@ -28,6 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kda_ops.kernels import commit as commit_kernels
+from kda_ops.kernels import conv as conv_kernels
 from kda_ops.kernels import verify as verify_kernels
 from kda_ops.kernels import verify_tensor_cores as tensor_core_kernels
 
@@ -35,8 +36,11 @@ TARGET = GPUTarget("cuda", 90, 32)
 UNIT_STRIDES = {"stride_q_dim", "stride_k_dim", "stride_v_dim", "stride_g_dim", "stride_s_k",
                 "stride_c_dim", "stride_kg_dim", "stride_o_dim", "stride_dt_dim",
                 "stride_beta_head", "stride_A_head", "stride_query_start",
-                "stride_state_indices", "stride_accepted", "stride_request", "stride_computed"}
-ACTIVATION_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "key_gate_ptr", "out_ptr"}
+                "stride_state_indices", "stride_accepted", "stride_request", "stride_computed",
+                "stride_x_dim", "stride_conv_dim", "stride_out_dim", "stride_w_tap",
+                "stride_bias"}
+ACTIVATION_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "key_gate_ptr", "out_ptr",
+                       "x_ptr", "conv_ptr", "weight_ptr", "bias_ptr"}
 INDEX_POINTERS = {"query_start_ptr", "state_indices_ptr", "accepted_ptr", "request_ptr",
                   "block_table_ptr", "computed_ptr"}
 
@@ -124,11 +128,15 @@ def main(argv=None):
                                 STAGES=verify.stages),
                            verify.num_warps),
             }
+        conv_bd, conv_warps = conv_kernels.conv_config(32 * 3 * K)
         cases.update({
             "commit_state": (commit_kernels._commit_state_kernel,
                              dict(K=K, V=V, BK=K, BV=commit_bv, NUM_HEADS=32, SPEC_LEN=T,
                                   USE_LOWER_BOUND=True, HAS_REQUEST_INDICES=False, ALIGN=False),
                              commit_warps),
+            "conv_update": (conv_kernels._conv_update_kernel,
+                            dict(WIDTH=4, SPEC_LEN=T, BD=conv_bd, HAS_BIAS=True, SILU=True),
+                            conv_warps),
         })
         for name, (kernel, constexprs, warps) in cases.items():
             ttgir = os.path.join(args.ttgir, f"{name}_T{T}.ttgir") if args.ttgir else None
