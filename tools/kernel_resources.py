@@ -4,17 +4,18 @@
         [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS]
         [--commit-config BV,WARPS]
 
-Compiles the state kernels and conv_update for an H100/H200 target without a GPU (Triton's
-compiler plus the ptxas it ships), at the benchmark's shapes (H = 32, K = V = 128,
-bf16 activations, lower bound on) and the launch configuration the package
-uses, and prints what `ptxas -v` reports. Unit strides are specialised to 1
-and pointers and other strides marked 16-divisible, as at a real launch, so the
-layouts match what the GPU runs. A quick check before spending device time:
-spills or a register count that halves occupancy show up here. Written against
-Triton 3.9 (the CPU machine's). The device's Triton 3.6 can choose other
-layouts (3-D tiles: docs/performance.md, 2026-12-03); to see its code, run this
-tool from an environment made with `pip install 'torch==2.13.0' 'triton==3.6.0'`,
-with PYTHONPATH set to the checkout.
+Compiles the state kernels and conv_update for an H100/H200 target without a
+GPU (Triton's compiler plus the ptxas it ships), at the benchmark's shapes
+(H = 32, K = V = 128, bf16 activations, lower bound on) and the launch
+configuration the package uses, and prints what `ptxas -v` reports. Unit
+strides are specialised to 1 and pointers and other strides marked
+16-divisible, as at a real launch, so the layouts match what the GPU runs. A
+quick check before spending device time: spills or a register count that
+halves occupancy show up here. Written against Triton 3.9 (the CPU machine's).
+The device's Triton 3.6 can choose other layouts (3-D tiles:
+docs/performance.md, 2026-12-03); to see its code, run this tool from an
+environment made with `pip install 'torch==2.13.0' 'triton==3.6.0'`, with
+PYTHONPATH set to the checkout.
 """
 
 import argparse

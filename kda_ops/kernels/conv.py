@@ -6,8 +6,8 @@ One program per (request, channel tile). The state of a request is
 engine's `[N, W-1+T-1, D]` buffer arrives transposed, with the channel axis
 contiguous. Every load and store here is one `[BD]` run of channels (one
 column of the history, or one token of `x` / `out`), so they are coalesced for
-that layout and for `x` and `out` (`[num_tokens, D]`), 16 bytes per thread for
-2-byte activations. The sequence `[history, window]` is loaded once, column by
+that layout and for `x` and `out` (`[num_tokens, D]`), four channels (8 bytes
+of bf16) per thread. The sequence `[history, window]` is loaded once, column by
 column, into registers; the outputs and the new history are built from it.
 """
 
@@ -88,11 +88,11 @@ def _conv_update_kernel(
 
 
 def conv_config(dim):
-    """(BD, num_warps) of conv_update: four channels per thread. Measured on an
-    H200 (D = 12288, bf16): 256 channels with 2 warps, 512 with 4 and 1024 with
-    8 ran within 5% of each other, 2-9% ahead of 8 channels per thread (1024 /
-    4: more registers, fewer programs per SM) at B <= 32 and 27-43% ahead at
-    B >= 128."""
+    """(BD, num_warps) of conv_update, and of commit's conv compaction: four
+    channels per thread. Measured on an H200 (D = 12288, bf16): 256 channels
+    with 2 warps, 512 with 4 and 1024 with 8 ran within 6% of each other from
+    B = 8 (256 / 2 fastest at B = 1); eight channels per thread (1024 / 4,
+    512 / 2: more registers per thread) took 36-56% longer from B = 128."""
     return min(triton.next_power_of_2(dim), 256), 2
 
 
