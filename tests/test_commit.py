@@ -105,10 +105,11 @@ def test_commit_single_layer_and_gate(device, lower_bound):
 @pytest.mark.parametrize("decay_shift", [0.0, 4.0])
 def test_commit_long_window(device, lower_bound, decay_shift):
     """T = 8 with every accepted count 0..8 and beyond, several value tiles
-    (V = 72), mild and extreme decay (cumulative decays underflow fp32)."""
+    (V = 136: three tiles of 64 rows over two programs), mild and extreme decay
+    (cumulative decays underflow fp32)."""
     lens = (8, 8, 8, 8, 8, 8, 8, 8, 8, 5, 8)
     accepted = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12)
-    args, buffers = make_commit_problem(device, T=8, K=32, V=72, N=12, lens=lens,
+    args, buffers = make_commit_problem(device, T=8, K=32, V=136, N=12, lens=lens,
                                         accepted=accepted, indices=tuple(range(1, 12)),
                                         decay_shift=decay_shift, seed=11)
     run_and_check(args, buffers, lower_bound=lower_bound)
