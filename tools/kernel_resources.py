@@ -2,7 +2,7 @@
 
     python tools/kernel_resources.py [--spec-lens 2,4,8] [--ttgir DIR]
         [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS]
-        [--commit-config BV,WARPS]
+        [--commit-config BV,WARPS,STAGES]
 
 Compiles the state kernels and conv_update for an H100/H200 target without a
 GPU (Triton's compiler plus the ptxas it ships), at the benchmark's shapes
@@ -98,11 +98,12 @@ def main(argv=None):
                         help="BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS of "
                              "verify instead of the package's (which is taken at B = 128)")
     parser.add_argument("--commit-config", default=None,
-                        help="BV,WARPS of the commit fold instead of the package's")
+                        help="BV,WARPS,RECORD_STAGES of the commit fold instead of the package's")
     args = parser.parse_args(argv)
     K = V = 128
-    commit_bv, commit_warps = (tuple(int(x) for x in args.commit_config.split(","))
-                               if args.commit_config else commit_kernels.commit_config(V))
+    commit_bv, commit_warps, commit_stages = (
+        tuple(int(x) for x in args.commit_config.split(","))
+        if args.commit_config else commit_kernels.commit_config(V))
     for T in (int(t) for t in args.spec_lens.split(",")):
         verify = (verify_kernels.VerifyConfig(*(int(x) for x in args.verify_config.split(",")))
                   if args.verify_config else verify_kernels.verify_config(K, V, 128 * 32, T))
@@ -133,7 +134,8 @@ def main(argv=None):
         cases.update({
             "commit_state": (commit_kernels._commit_state_kernel,
                              dict(K=K, V=V, BK=K, BV=commit_bv, NUM_HEADS=32, SPEC_LEN=T,
-                                  USE_LOWER_BOUND=True, HAS_REQUEST_INDICES=False, ALIGN=False),
+                                  USE_LOWER_BOUND=True, HAS_REQUEST_INDICES=False, ALIGN=False,
+                                  RECORD_STAGES=commit_stages),
                              commit_warps),
             "conv_update": (conv_kernels._conv_update_kernel,
                             dict(WIDTH=4, SPEC_LEN=T, BD=conv_bd, HAS_BIAS=True, SILU=True),

@@ -40,7 +40,7 @@ def _commit_state_kernel(
     stride_A_layer, stride_A_head, stride_dt_layer, stride_dt_head, stride_dt_dim,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NUM_HEADS: tl.constexpr, SPEC_LEN: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-    HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr, RECORD_STAGES: tl.constexpr,
 ):
     lower_bound = tl.cast(lower_bound, tl.float32)  # fp64 when launched by Inductor
     pid_v = tl.program_id(0)
@@ -87,14 +87,13 @@ def _commit_state_kernel(
                     + h * stride_c_head + offs_v * stride_c_dim)
         kg_row = (key_gate_ptr + layer * stride_kg_layer + source * stride_kg_blk
                   + h * stride_kg_head + offs_k * stride_kg_dim)
-        # Token t+1's records are requested before token t's reductions and
-        # boundary store, which the loads could not otherwise pass.
-        next_records = _token_records(0, commit, kg_row, corr_row, offs_k, offs_v, K, V,
-                                      stride_kg_tok, stride_kg_dim, stride_c_tok)
-        for t in range(0, commit):
-            raw_k, raw_g, u = next_records
-            next_records = _token_records(t + 1, commit, kg_row, corr_row, offs_k, offs_v, K, V,
-                                          stride_kg_tok, stride_kg_dim, stride_c_tok)
+        # Triton's pipeliner requests the next tokens' records (through shared
+        # memory) while a token is folded: on an H200, 3 stages took T = 8 from
+        # 72 to 87% of copy (B = 256); one token of prefetch in registers, two,
+        # or the loop unrolled were slower (docs/performance.md).
+        for t in tl.range(0, commit, num_stages=RECORD_STAGES):
+            raw_k, raw_g, u = _token_records(t, commit, kg_row, corr_row, offs_k, offs_v, K, V,
+                                             stride_kg_tok, stride_kg_dim, stride_c_tok)
             kn = l2_normalize(raw_k, 1.0)
             decay = tl.exp(kda_gate(raw_g, dt_bias, A, lower_bound, USE_LOWER_BOUND))
             state = state * decay[None, :] + u[:, None] * kn[None, :]
@@ -207,8 +206,9 @@ def plan_launch_args(num_accepted_tokens, request_indices, state_indices, query_
 
 
 def commit_config(value_dim):
-    """(BV, num_warps) of the state fold (measured best on an H200)."""
-    return min(triton.next_power_of_2(value_dim), 64), 2
+    """(BV, num_warps, record pipeline stages) of the state fold (measured best
+    on an H200)."""
+    return min(triton.next_power_of_2(value_dim), 64), 2, 3
 
 
 def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
@@ -222,7 +222,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
     flags = dict(SPEC_LEN=dims.spec_len, HAS_REQUEST_INDICES=request_indices is not None,
                  ALIGN=plan.align)
     K, V = dims.key_dim, dims.value_dim
-    BV, warps = commit_config(V)
+    BV, warps, record_stages = commit_config(V)
     grid = (triton.cdiv(V, BV), plan.batch, dims.num_layers * dims.num_heads)
     wrap_triton(_commit_state_kernel)[grid](
         state, correction, key_gate, A_log, dt_bias, *pointers,
@@ -231,7 +231,8 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         *layer_strides(key_gate, dims.stacked),
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),
         K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, NUM_HEADS=dims.num_heads,
-        USE_LOWER_BOUND=lower_bound is not None, **flags, num_warps=warps,
+        USE_LOWER_BOUND=lower_bound is not None, RECORD_STAGES=record_stages, **flags,
+        num_warps=warps,
     )
     if conv_state is not None:
         BD, warps = conv_config(dims.conv_dim)
