@@ -88,9 +88,10 @@ def _commit_state_kernel(
         kg_row = (key_gate_ptr + layer * stride_kg_layer + source * stride_kg_blk
                   + h * stride_kg_head + offs_k * stride_kg_dim)
         # Triton's pipeliner requests the next tokens' records (through shared
-        # memory) while a token is folded: on an H200, 3 stages took T = 8 from
-        # 72 to 87% of copy (B = 256); one token of prefetch in registers, two,
-        # or the loop unrolled were slower (docs/performance.md).
+        # memory) while a token is folded: these loads bounded the fold. On an
+        # H200, 3 stages took T = 8 from 72 to 87% of copy (B = 256); register
+        # prefetch one or two tokens ahead, or the loop unrolled, were slower
+        # at T = 8 (docs/performance.md).
         for t in tl.range(0, commit, num_stages=RECORD_STAGES):
             raw_k, raw_g, u = _token_records(t, commit, kg_row, corr_row, offs_k, offs_v, K, V,
                                              stride_kg_tok, stride_kg_dim, stride_c_tok)
