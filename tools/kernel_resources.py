@@ -2,7 +2,7 @@
 
     python tools/kernel_resources.py [--spec-lens 2,4,8] [--ttgir DIR]
         [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS]
-        [--commit-config BV,WARPS,STAGES]
+        [--commit-config BV,WARPS,RECORD_STAGES]
 
 Compiles the state kernels and conv_update for an H100/H200 target without a
 GPU (Triton's compiler plus the ptxas it ships), at the benchmark's shapes
