@@ -14,19 +14,6 @@ from .conv import conv_config
 
 
 @triton.jit
-def _token_records(t, commit, kg_row, corr_row, offs_k, offs_v, K, V,
-                   stride_kg_tok, stride_kg_dim, stride_c_tok):
-    """(k, g, u) recorded for window token t; zeros past the committed tokens."""
-    live = t < commit
-    live_k = live_range(offs_k, K, live)
-    raw_k = tl.load(kg_row + t * stride_kg_tok, mask=live_k, other=0.0).to(tl.float32)
-    raw_g = tl.load(kg_row + t * stride_kg_tok + K * stride_kg_dim, mask=live_k,
-                    other=0.0).to(tl.float32)
-    u = tl.load(corr_row + t * stride_c_tok, mask=live_range(offs_v, V, live), other=0.0)
-    return raw_k, raw_g, u
-
-
-@triton.jit
 def _commit_state_kernel(
     state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr,
     accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
@@ -93,8 +80,10 @@ def _commit_state_kernel(
         # prefetch one or two tokens ahead, or the loop unrolled, were slower
         # at T = 8 (docs/performance.md).
         for t in tl.range(0, commit, num_stages=RECORD_STAGES):
-            raw_k, raw_g, u = _token_records(t, commit, kg_row, corr_row, offs_k, offs_v, K, V,
-                                             stride_kg_tok, stride_kg_dim, stride_c_tok)
+            raw_k = tl.load(kg_row + t * stride_kg_tok, mask=mask_k, other=0.0).to(tl.float32)
+            raw_g = tl.load(kg_row + t * stride_kg_tok + K * stride_kg_dim, mask=mask_k,
+                            other=0.0).to(tl.float32)
+            u = tl.load(corr_row + t * stride_c_tok, mask=mask_v, other=0.0)
             kn = l2_normalize(raw_k, 1.0)
             decay = tl.exp(kda_gate(raw_g, dt_bias, A, lower_bound, USE_LOWER_BOUND))
             state = state * decay[None, :] + u[:, None] * kn[None, :]
