@@ -65,7 +65,8 @@ def ptxas():
 
 def compile_report(kernel, constexprs, num_warps, ttgir_path=None):
     names = kernel.arg_names
-    constexprs = dict(constexprs, **{n: 1 for n in names if n in UNIT_STRIDES})
+    # Plain launches, as from B = 8 (common.PROGRAMMATIC_LAUNCH_BELOW_BATCH).
+    constexprs = dict(constexprs, PDL=False, **{n: 1 for n in names if n in UNIT_STRIDES})
     signature = {n: "constexpr" if n in constexprs else arg_type(n) for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))

@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import NULL_BLOCK, block_is_valid, commit_plan_row, kda_gate, l2_normalize, live_range
+from .common import (NULL_BLOCK, block_is_valid, commit_plan_row, dependent_launch, kda_gate,
+                     l2_normalize, live_range, wait_for_previous_kernel)
 from .conv import conv_config
 
 
@@ -28,7 +29,9 @@ def _commit_state_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NUM_HEADS: tl.constexpr, SPEC_LEN: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr, RECORD_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     lower_bound = tl.cast(lower_bound, tl.float32)  # fp64 when launched by Inductor
     pid_v = tl.program_id(0)
     b = tl.program_id(1)
@@ -106,7 +109,9 @@ def _commit_conv_kernel(
     stride_layer, stride_blk, stride_dim, stride_col,
     HISTORY: tl.constexpr, BD: tl.constexpr,
     SPEC_LEN: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pid_d = tl.program_id(0)
     b = tl.program_id(1)
     layer = tl.program_id(2)
@@ -222,7 +227,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),
         K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, NUM_HEADS=dims.num_heads,
         USE_LOWER_BOUND=lower_bound is not None, RECORD_STAGES=record_stages, **flags,
-        num_warps=warps,
+        num_warps=warps, **dependent_launch(state, plan.batch),
     )
     if conv_state is not None:
         BD, warps = conv_config(dims.conv_dim)
@@ -231,6 +236,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
             conv_state, *pointers, dims.num_blocks, *scalars, dims.conv_dim, *strides,
             *layer_strides(conv_state, dims.stacked),
             HISTORY=dims.conv_history, BD=BD, **flags, num_warps=warps,
+            **dependent_launch(conv_state, plan.batch),
         )
 
 
@@ -242,7 +248,9 @@ def _commit_plan_kernel(
     stride_accepted, stride_request, stride_state_indices, stride_query_start,
     stride_bt_row, stride_bt_col, stride_computed,
     SPEC_LEN: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     commit, row, final_col, boundary_col, recovery = commit_plan_row(
         b, accepted_ptr, stride_accepted, request_ptr, stride_request,
@@ -278,5 +286,5 @@ def launch_commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec
     wrap_triton(_commit_plan_kernel)[(batch,)](
         *pointers, *outputs, *scalars, *strides,
         SPEC_LEN=spec_len, HAS_REQUEST_INDICES=request_indices is not None,
-        ALIGN=block_table is not None, num_warps=1,
+        ALIGN=block_table is not None, num_warps=1, **dependent_launch(state_indices, batch),
     )

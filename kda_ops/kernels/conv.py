@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import block_is_valid, live_range
+from .common import block_is_valid, dependent_launch, live_range, wait_for_previous_kernel
 
 
 @triton.jit
@@ -29,7 +29,9 @@ def _conv_update_kernel(
     stride_query_start, stride_state_indices,
     WIDTH: tl.constexpr, SPEC_LEN: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     pid_d = tl.program_id(1)
     HISTORY: tl.constexpr = WIDTH - 1
@@ -112,5 +114,5 @@ def launch_conv_update(x, conv_state, weight, bias, query_start_loc, state_indic
         *out.stride(), query_start_loc.stride(0), state_indices.stride(0),
         WIDTH=dims.width, SPEC_LEN=dims.spec_len, BD=BD,
         HAS_BIAS=bias is not None, SILU=activation == "silu",
-        num_warps=warps,
+        num_warps=warps, **dependent_launch(x, dims.batch),
     )

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import NULL_BLOCK
+from .common import NULL_BLOCK, dependent_launch, wait_for_previous_kernel
 
 BLOCK_ROWS = 32
 
@@ -19,7 +19,9 @@ def _aligned_state_indices_kernel(
     num_rows, table_cols, block_size,
     stride_bt_row, stride_bt_col, stride_seq_lens, stride_out_row, stride_out_slot,
     NUM_SLOTS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < num_rows
     seq_lens = tl.load(seq_lens_ptr + rows * stride_seq_lens, mask=row_ok, other=1).to(tl.int64)
@@ -47,7 +49,7 @@ def launch_aligned_state_indices(block_table, seq_lens, block_size, out):
         block_table.stride(0), block_table.stride(1), seq_lens.stride(0),
         out.stride(0), out.stride(1),
         NUM_SLOTS=num_slots, BLOCK_SLOTS=triton.next_power_of_2(num_slots),
-        BLOCK_ROWS=BLOCK_ROWS, num_warps=1,
+        BLOCK_ROWS=BLOCK_ROWS, num_warps=1, **dependent_launch(out, num_rows),
     )
 
 
@@ -63,7 +65,9 @@ def _stage_spec_decode_kernel(
     stride_staged_accepted,
     NUM_SLOTS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     COUNT_IN_TENSOR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     if COUNT_IN_TENSOR:
         requested = tl.load(count_ptr).to(tl.int64)
     else:
@@ -119,4 +123,5 @@ def launch_stage_spec_decode_metadata(state_indices, query_start_loc, num_accept
         staged_num_accepted_tokens.stride(0),
         NUM_SLOTS=num_slots, BLOCK_SLOTS=triton.next_power_of_2(num_slots),
         BLOCK_ROWS=BLOCK_ROWS, COUNT_IN_TENSOR=count_in_tensor, num_warps=1,
+        **dependent_launch(staged_state_indices, batch),
     )

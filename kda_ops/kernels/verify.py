@@ -41,7 +41,8 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import wrap_triton
 
-from .common import block_is_valid, link_tokens, live_range, load_window, window_vectors
+from .common import (block_is_valid, dependent_launch, link_tokens, live_range, load_window,
+                     wait_for_previous_kernel, window_vectors)
 from .verify_tensor_cores import _tensor_core_verify_kernel, _window_terms_kernel, tensor_core_tile
 
 
@@ -67,7 +68,9 @@ def _verify_kernel(
     KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr, UNROLL_TOKENS: tl.constexpr,
     CLOSED_FORM: tl.constexpr, TENSOR_CORES: tl.constexpr, NP: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # Inductor passes Python floats as fp64 scalars; the arithmetic is fp32.
     lower_bound = tl.cast(lower_bound, tl.float32)
     scale = tl.cast(scale, tl.float32)
@@ -457,7 +460,7 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
             A_log.stride(0), *dt_strides, *key_gate.stride(),
             query_start_loc.stride(0), state_indices.stride(0),
             K=K, BK=BK, SPEC_LEN=dims.spec_len, BT=BT, USE_LOWER_BOUND=lower_bound is not None,
-            num_warps=WINDOW_TERMS_WARPS,
+            num_warps=WINDOW_TERMS_WARPS, **dependent_launch(q, dims.batch),
         )
         wrap_triton(_tensor_core_verify_kernel)[(triton.cdiv(V, BV), dims.batch, num_heads)](
             v, beta, state, correction, out, terms, coupling, *index_args, dims.num_blocks,
@@ -465,6 +468,7 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
             *_token_strides(out), query_start_loc.stride(0), state_indices.stride(0),
             K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT, NP=max(16, 2 * BT),
             KEY_CHUNK=config.key_chunk, STAGES=config.stages, num_warps=config.num_warps,
+            **dependent_launch(q, dims.batch),
         )
         return
     grid = (triton.cdiv(triton.cdiv(V, BV), v_tiles), dims.batch, num_heads)
@@ -486,5 +490,5 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         USE_LOWER_BOUND=lower_bound is not None, KEY_CHUNK=config.key_chunk, V_TILES=v_tiles,
         UNROLL_TOKENS=config.unroll_tokens, CLOSED_FORM=closed,
         TENSOR_CORES=config.tensor_cores, NP=max(16, 2 * BT), STAGES=config.stages,
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, **dependent_launch(q, dims.batch),
     )

@@ -16,7 +16,8 @@ kernel alone ran at T = 8 in 219 us against 375 for the whole fused kernel
 import triton
 import triton.language as tl
 
-from .common import block_is_valid, link_tokens, live_range, load_window, window_vectors
+from .common import (block_is_valid, link_tokens, live_range, load_window,
+                     wait_for_previous_kernel, window_vectors)
 
 
 @triton.jit
@@ -32,11 +33,13 @@ def _window_terms_kernel(
     stride_query_start, stride_state_indices,
     K: tl.constexpr, BK: tl.constexpr, SPEC_LEN: tl.constexpr, BT: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Per (request, head): rows t and BT + t of `terms` [2 BT, BK] get E_t k_t
     and E_t q_t, `coupling` [2, BT, BT] gets A[t, s] at [0, s, t] and B[t, s] at
     [1, s, t] (see _coupling), and the key/gate record is written. Rows past
     the window hold zeros (a decay of 1), so their coupling is zero."""
+    wait_for_previous_kernel(PDL)
     lower_bound = tl.cast(lower_bound, tl.float32)
     scale = tl.cast(scale, tl.float32)
     b = tl.program_id(0)
@@ -162,9 +165,11 @@ def _tensor_core_verify_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPEC_LEN: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, KEY_CHUNK: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One `[BV]` tile of a (request, head): the closed form from the checkpoint
     and the window terms (tensor_core_tile)."""
+    wait_for_previous_kernel(PDL)
     tile = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)

@@ -1,0 +1,109 @@
+"""Programmatic dependent launch: when the kernels use it, and that a chain of
+kernels, each reading what the one before it wrote, gives the same bits with
+and without it (a load above the wait would race with the previous kernel)."""
+
+import pytest
+import torch
+from torch._library.triton import set_wrap_triton_enabled
+
+import kda_ops
+from kda_ops.kernels import common
+from kda_ops.kernels import verify as verify_kernels
+
+from helpers import query_start_loc, requires_cuda
+
+
+def test_dependent_launch_only_for_cuda_tensors():
+    assert common.dependent_launch(torch.zeros(1), 1) == {"PDL": False}
+
+
+@requires_cuda
+def test_dependent_launch_policy(monkeypatch):
+    t = torch.zeros(1, device="cuda")
+    below = common.PROGRAMMATIC_LAUNCH_BELOW_BATCH
+    on = ({"PDL": True, "launch_pdl": True} if torch.cuda.get_device_capability()[0] >= 9
+          else {"PDL": False})
+    with set_wrap_triton_enabled(False):  # as the ops run eagerly
+        assert common.dependent_launch(t, below - 1) == on
+        assert common.dependent_launch(t, below) == {"PDL": False}
+        monkeypatch.setattr(common, "PROGRAMMATIC_LAUNCH", False)
+        assert common.dependent_launch(t, 1) == {"PDL": False}
+    monkeypatch.setattr(common, "PROGRAMMATIC_LAUNCH", True)
+    with set_wrap_triton_enabled(True):  # as while torch.compile traces the ops
+        assert common.dependent_launch(t, 1) == {"PDL": False}
+
+
+def make_chain(device, *, layers=6, H=4, K=32, T=4, lens=(4, 3), indices=(2, 1), N=4, W=4):
+    """Buffers of a decode step in which every kernel reads the previous one's
+    output: layer l's conv_update convolves layer l-1's verify output, whose
+    result is layer l's queries, then one commit of every layer."""
+    gen = torch.Generator().manual_seed(5)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device)  # noqa: E731
+    D = H * K
+    starts = query_start_loc(lens, device)
+    n = int(starts[-1])
+    return dict(
+        layers=layers, H=H, K=K, T=T, starts=starts, n=n,
+        indices=torch.tensor(indices, dtype=torch.int32, device=device),
+        accepted=torch.tensor([min(x, T) - 1 for x in lens], dtype=torch.int32, device=device),
+        first=rand(n, D), k=rand(layers, n, H, K), g=rand(layers, n, H, K),
+        beta=rand(layers, n, H), weight=rand(layers, D, W) * 0.5, bias=rand(layers, D),
+        A_log=rand(layers, H) * 0.5, dt_bias=rand(layers, H, K),
+        state=rand(layers, N, H, K, K), conv_state=rand(layers, N, D, W - 1 + T - 1),
+        correction=rand(layers, N, H, T, K), key_gate=rand(layers, N, H, T, 2 * K),
+        conv_out=torch.zeros(layers, n, D, device=device),
+        out=torch.zeros(layers, n, H, K, device=device))
+
+
+def run_chain(c):
+    h = c["first"]
+    n, H, K = c["n"], c["H"], c["K"]
+    for layer in range(c["layers"]):
+        x = kda_ops.conv_update(h, c["conv_state"][layer], c["weight"][layer], c["bias"][layer],
+                                c["starts"], c["indices"], out=c["conv_out"][layer])
+        q = x.view(n, H, K)
+        out = kda_ops.verify(q, c["k"][layer], q, c["g"][layer], c["beta"][layer],
+                             c["A_log"][layer], c["dt_bias"][layer], c["state"][layer],
+                             c["correction"][layer], c["key_gate"][layer], c["starts"],
+                             c["indices"], lower_bound=-5.0, out=c["out"][layer])
+        h = out.view(n, H * K)
+    kda_ops.commit(c["accepted"], c["indices"], c["starts"], state=c["state"],
+                   conv_state=c["conv_state"], correction=c["correction"],
+                   key_gate=c["key_gate"], A_log=c["A_log"], dt_bias=c["dt_bias"],
+                   lower_bound=-5.0)
+
+
+RESULTS = ("conv_out", "out", "state", "conv_state", "correction", "key_gate")
+
+
+@requires_cuda
+@pytest.mark.parametrize("separate_terms", [False, True])
+def test_dependent_launch_chain_is_exact(separate_terms, monkeypatch):
+    """The chain with plain launches, then with programmatic dependent launch
+    eagerly and replayed from a CUDA graph: every output and buffer bitwise
+    equal. separate_terms puts verify's two-kernel form in the chain."""
+    if separate_terms:
+        monkeypatch.setattr(verify_kernels, "SEPARATE_TERMS_FROM_HEADS", 1)
+    monkeypatch.setattr(common, "PROGRAMMATIC_LAUNCH", False)
+    plain = make_chain("cuda")
+    run_chain(plain)
+    monkeypatch.setattr(common, "PROGRAMMATIC_LAUNCH", True)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        with set_wrap_triton_enabled(False):
+            assert common.dependent_launch(plain["first"], len(plain["accepted"]))["PDL"]
+    eager = make_chain("cuda")
+    run_chain(eager)
+    graphed = make_chain("cuda")
+    initial = {name: graphed[name].clone() for name in RESULTS}
+    run_chain(graphed)  # compiles every kernel before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_chain(graphed)
+    for replay in range(3):
+        for name in RESULTS:
+            graphed[name].copy_(initial[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        for name in RESULTS:
+            for run, result in (("eager", eager), (f"replay {replay}", graphed)):
+                assert torch.equal(result[name], plain[name]), f"{name} differs ({run})"
