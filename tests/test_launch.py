@@ -2,9 +2,13 @@
 kernels, each reading what the one before it wrote, gives the same bits with
 and without it (a load above the wait would race with the previous kernel)."""
 
+import types
+
 import pytest
 import torch
+from torch._dynamo.source import ConstantSource
 from torch._library.triton import set_wrap_triton_enabled
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 import kda_ops
 from kda_ops.kernels import common
@@ -15,6 +19,20 @@ from helpers import query_start_loc, requires_cuda
 
 def test_dependent_launch_only_for_cuda_tensors():
     assert common.dependent_launch(torch.zeros(1), 1) == {"PDL": False}
+
+
+def test_traced_launch_adds_no_guard_on_the_batch():
+    """While torch.compile or torch.export traces an op, the batch may be
+    symbolic: comparing it with the threshold would add a guard (a recompile
+    per side of it, and export's dynamic batch rejected). The policy must
+    decide on tracing first."""
+    shape_env = ShapeEnv()
+    symbol = shape_env.create_symbol(4, ConstantSource("batch"), dynamic_dim=DimDynamic.DYNAMIC)
+    batch = shape_env.create_symintnode(symbol, hint=4)
+    traced_cuda_tensor = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    with set_wrap_triton_enabled(True):
+        assert common.dependent_launch(traced_cuda_tensor, batch) == {"PDL": False}
+    assert shape_env.guards == []
 
 
 @requires_cuda
