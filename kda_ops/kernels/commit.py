@@ -218,6 +218,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
                  ALIGN=plan.align)
     K, V = dims.key_dim, dims.value_dim
     BV, warps, record_stages = commit_config(V)
+    launch = dependent_launch(state, plan.batch)
     grid = (triton.cdiv(V, BV), plan.batch, dims.num_layers * dims.num_heads)
     wrap_triton(_commit_state_kernel)[grid](
         state, correction, key_gate, A_log, dt_bias, *pointers,
@@ -227,7 +228,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),
         K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, NUM_HEADS=dims.num_heads,
         USE_LOWER_BOUND=lower_bound is not None, RECORD_STAGES=record_stages, **flags,
-        num_warps=warps, **dependent_launch(state, plan.batch),
+        num_warps=warps, **launch,
     )
     if conv_state is not None:
         BD, warps = conv_config(dims.conv_dim)
@@ -236,7 +237,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
             conv_state, *pointers, dims.num_blocks, *scalars, dims.conv_dim, *strides,
             *layer_strides(conv_state, dims.stacked),
             HISTORY=dims.conv_history, BD=BD, **flags, num_warps=warps,
-            **dependent_launch(conv_state, plan.batch),
+            **launch,
         )
 
 

@@ -1,5 +1,6 @@
-"""Device functions shared by the kernels: the KDA gate, the closed form's token
-linking and the commit plan."""
+"""Shared by the kernels: the launch policy (programmatic dependent launch) and
+the device functions of the KDA gate, the closed form's token linking and the
+commit plan."""
 
 import torch
 import triton

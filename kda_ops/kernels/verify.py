@@ -448,6 +448,7 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         K * dt_bias.stride(0), dt_bias.stride(0))
     index_args = (query_start_loc, state_indices)
     scalars = (dims.num_blocks, float(lower_bound or 0.0), float(scale))
+    launch = dependent_launch(q, dims.batch)
     if config.separate_terms:
         # Per (request, head): E k and E q of every token, and the couplings.
         terms = torch.empty((dims.batch, num_heads, 2 * BT, BK), device=q.device,
@@ -460,7 +461,7 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
             A_log.stride(0), *dt_strides, *key_gate.stride(),
             query_start_loc.stride(0), state_indices.stride(0),
             K=K, BK=BK, SPEC_LEN=dims.spec_len, BT=BT, USE_LOWER_BOUND=lower_bound is not None,
-            num_warps=WINDOW_TERMS_WARPS, **dependent_launch(q, dims.batch),
+            num_warps=WINDOW_TERMS_WARPS, **launch,
         )
         wrap_triton(_tensor_core_verify_kernel)[(triton.cdiv(V, BV), dims.batch, num_heads)](
             v, beta, state, correction, out, terms, coupling, *index_args, dims.num_blocks,
@@ -468,7 +469,7 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
             *_token_strides(out), query_start_loc.stride(0), state_indices.stride(0),
             K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT, NP=max(16, 2 * BT),
             KEY_CHUNK=config.key_chunk, STAGES=config.stages, num_warps=config.num_warps,
-            **dependent_launch(q, dims.batch),
+            **launch,
         )
         return
     grid = (triton.cdiv(triton.cdiv(V, BV), v_tiles), dims.batch, num_heads)
@@ -490,5 +491,5 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         USE_LOWER_BOUND=lower_bound is not None, KEY_CHUNK=config.key_chunk, V_TILES=v_tiles,
         UNROLL_TOKENS=config.unroll_tokens, CLOSED_FORM=closed,
         TENSOR_CORES=config.tensor_cores, NP=max(16, 2 * BT), STAGES=config.stages,
-        num_warps=config.num_warps, **dependent_launch(q, dims.batch),
+        num_warps=config.num_warps, **launch,
     )
