@@ -105,7 +105,7 @@ def test_commit_single_layer_and_gate(device, lower_bound):
 @pytest.mark.parametrize("decay_shift", [0.0, 4.0])
 def test_commit_long_window(device, lower_bound, decay_shift):
     """T = 8 with every accepted count 0..8 and beyond, several value tiles
-    (V = 136: three tiles of 64 rows over two programs), mild and extreme decay
+    (V = 136: five tiles of 32 rows, the last one 8 rows), mild and extreme decay
     (cumulative decays underflow fp32)."""
     lens = (8, 8, 8, 8, 8, 8, 8, 8, 8, 5, 8)
     accepted = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12)
