@@ -79,9 +79,9 @@ def _commit_state_kernel(
                   + h * stride_kg_head + offs_k * stride_kg_dim)
         # Triton's pipeliner requests the next tokens' records (through shared
         # memory) while a token is folded: these loads bounded the fold. On an
-        # H200, 3 stages took T = 8 from 72 to 87% of copy (B = 256); register
-        # prefetch one or two tokens ahead, or the loop unrolled, were slower
-        # at T = 8 (docs/performance.md).
+        # H200 pipelining took T = 8 from 72% to 93% of copy (stages: see
+        # commit_config); register prefetch one or two tokens ahead, or the
+        # loop unrolled, were slower at T = 8 (docs/performance.md).
         for t in tl.range(0, commit, num_stages=RECORD_STAGES):
             raw_k = tl.load(kg_row + t * stride_kg_tok, mask=mask_k, other=0.0).to(tl.float32)
             raw_g = tl.load(kg_row + t * stride_kg_tok + K * stride_kg_dim, mask=mask_k,
@@ -201,10 +201,10 @@ def plan_launch_args(num_accepted_tokens, request_indices, state_indices, query_
 
 
 def commit_config(value_dim):
-    """(BV, num_warps, record pipeline stages) of the state fold (measured best
-    on an H200 at every batch and T = 2, 4, 8: against 64-row tiles in two
-    warps with 3 stages, 32 rows in one warp with 4 stages hold no spill and
-    lift T = 8 from 86-88% to 92-93% of copy)."""
+    """(BV, num_warps, record pipeline stages) of the state fold, measured best
+    on an H200 at every batch and T = 2, 4, 8. Against 64 rows in two warps
+    with 3 stages, 32 rows in one warp with 4 stages do not spill and take
+    T = 8 from 86-88% to 92-93% of copy from B = 32."""
     return min(triton.next_power_of_2(value_dim), 32), 1, 4
 
 
