@@ -2,13 +2,12 @@
 benchmark and users build on: its paths agree with each other eagerly, and the
 benchmark variant (no projections) also captures as one graph."""
 
-from types import SimpleNamespace
-
 import torch
 from torch._dynamo.testing import CompileCounter
 
 from compile_helpers import (NOT_UNDER_INTERPRETER, assert_caches_close, assert_close, model_copy,
                              step_inputs, tiny_model)
+from kda_ops.bench import Shape
 from kda_ops.models import KDACaches, KDADecodeStep
 
 pytestmark = NOT_UNDER_INTERPRETER
@@ -42,8 +41,8 @@ def test_step_paths_agree():
 
 
 def test_benchmark_variant():
-    shape = SimpleNamespace(batch=3, spec_len=3, layers=2, heads=2, key_dim=16, value_dim=8,
-                            conv_width=4, act_dtype=torch.float32)
+    shape = Shape(batch=3, spec_len=3, layers=2, heads=2, key_dim=16, value_dim=8,
+                  conv_width=4, act_dtype=torch.float32)
     model = KDADecodeStep.for_benchmark(shape, "cpu")
     assert not model.projections and model.conv_layout == "token_first"
     assert model.state.abs().sum() > 0, "benchmark caches must be random"

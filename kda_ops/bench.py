@@ -10,8 +10,10 @@ verify, then the commit: `kda_ops.models.KDADecodeStep`). For each op and
 shape: the median time of CUDA-graph replays of one call per rotation set, the bytes
 that must move (each input read once, each output written once), and the
 effective bandwidth as a fraction of the device-to-device copy bandwidth
-measured in the same run. Inputs rotate over enough state blocks to exceed the
-L2 cache several times, so small batches are not timed out of the cache.
+measured in the same run. Inputs rotate over up to 64 index sets, so that the
+state blocks (conv_update: history blocks) touched reach ROTATION_BYTES, about
+8x the L2 cache, where 64 sets allow it; docs/performance.md names the small
+batches where they do not.
 """
 
 import argparse
@@ -35,6 +37,7 @@ class Shape:
     value_dim: int = 128
     conv_width: int = 4
     act_dtype: torch.dtype = torch.bfloat16
+    state_dtype: torch.dtype = torch.float32
 
     @property
     def tokens(self):
@@ -46,11 +49,13 @@ class Shape:
 
 
 ROTATION_BYTES = 512 << 20  # touched per rotation: well above the 60 MB L2 of an H200
+MAX_ROTATION_SETS = 64
 
 
 def _block_pool(shape, bytes_per_request):
     """Number of index sets to rotate over and the blocks needed (block 0 is null)."""
-    sets = max(1, min(64, math.ceil(ROTATION_BYTES / (bytes_per_request * shape.batch))))
+    sets = max(1, min(MAX_ROTATION_SETS,
+                      math.ceil(ROTATION_BYTES / (bytes_per_request * shape.batch))))
     return sets, sets * shape.batch + 1
 
 
@@ -77,10 +82,10 @@ def _token_inputs(shape, device, lead=()):
 def setup_verify(shape, device):
     H, K, V, T, B = shape.heads, shape.key_dim, shape.value_dim, shape.spec_len, shape.batch
     act = shape.act_dtype
-    sets, N = _block_pool(shape, H * V * K * 4)
+    sets, N = _block_pool(shape, H * V * K * _item_bytes(shape.state_dtype))
     q, k, g, v, beta = _token_inputs(shape, device)
     A_log, dt_bias = torch.randn(H, device=device) * 0.5, torch.randn(H, K, device=device)
-    state = torch.randn(N, H, V, K, device=device)
+    state = torch.randn(N, H, V, K, device=device, dtype=shape.state_dtype)
     correction = torch.empty(N, H, T, V, device=device)
     key_gate = torch.empty(N, H, T, 2 * K, device=device, dtype=act)
     starts = _window_starts(shape, device)
@@ -91,12 +96,49 @@ def setup_verify(shape, device):
     return calls, verify_bytes(shape)
 
 
+def _item_bytes(dtype):
+    return torch.finfo(dtype).bits // 8
+
+
+# Bytes each op must move: every input read once, every output written once.
 def verify_bytes(shape):
     """One layer's verify: state, q k g v beta read; out and records written."""
     H, K, V, n = shape.heads, shape.key_dim, shape.value_dim, shape.tokens
-    act_bytes = torch.finfo(shape.act_dtype).bits // 8
-    return (shape.batch * H * V * K * 4 + n * H * (3 * K + V + 1) * act_bytes
-            + n * H * V * act_bytes + n * H * (V * 4 + 2 * K * act_bytes))
+    act = _item_bytes(shape.act_dtype)
+    return (shape.batch * H * V * K * _item_bytes(shape.state_dtype)
+            + n * H * (3 * K + V + 1) * act + n * H * V * act + n * H * (V * 4 + 2 * K * act))
+
+
+def conv_update_bytes(shape):
+    """One layer's conv_update: x read, out written, the history read and the
+    window written."""
+    B, D, W = shape.batch, shape.conv_dim, shape.conv_width
+    act = _item_bytes(shape.act_dtype)
+    return (2 * shape.tokens * D + B * D * (W - 1) + B * D * (W - 2 + shape.spec_len)) * act
+
+
+def commit_bytes(shape, accepted):
+    """Every layer's commit of `accepted` tokens per request: state read and
+    written, records read, conv history read and written."""
+    L, H, K, V = shape.layers, shape.heads, shape.key_dim, shape.value_dim
+    act = _item_bytes(shape.act_dtype)
+    per_request = L * (2 * H * V * K * _item_bytes(shape.state_dtype)
+                       + accepted * H * (V * 4 + 2 * K * act)
+                       + 2 * shape.conv_dim * (shape.conv_width - 1) * act)
+    return shape.batch * per_request
+
+
+def decode_bytes(shape):
+    """Every layer's verify, then the commit of all T tokens."""
+    return shape.layers * verify_bytes(shape) + commit_bytes(shape, shape.spec_len)
+
+
+def step_bytes(shape, accepted=None):
+    """Every layer's conv_update and verify, then the commit of `accepted`
+    tokens per request (default T)."""
+    accepted = shape.spec_len if accepted is None else accepted
+    return (shape.layers * (conv_update_bytes(shape) + verify_bytes(shape))
+            + commit_bytes(shape, accepted))
 
 
 def _commit_buffers(shape, device, N):
@@ -104,7 +146,7 @@ def _commit_buffers(shape, device, N):
     act = shape.act_dtype
     cols = shape.conv_width - 1 + T - 1
     return dict(
-        state=torch.randn(L, N, H, V, K, device=device),
+        state=torch.randn(L, N, H, V, K, device=device, dtype=shape.state_dtype),
         # Engine layout [L, N, cols, D], passed dim-first.
         conv_state=torch.randn(L, N, cols, shape.conv_dim, device=device, dtype=act).transpose(-1, -2),
         correction=torch.randn(L, N, H, T, V, device=device),
@@ -112,19 +154,6 @@ def _commit_buffers(shape, device, N):
         A_log=torch.randn(L, H, device=device) * 0.5,
         dt_bias=torch.randn(L, H, K, device=device),
     )
-
-
-def commit_bytes(shape, accepted):
-    L, H, K, V = shape.layers, shape.heads, shape.key_dim, shape.value_dim
-    act_bytes = torch.finfo(shape.act_dtype).bits // 8
-    per_request = L * (2 * H * V * K * 4 + accepted * H * (V * 4 + 2 * K * act_bytes)
-                       + 2 * shape.conv_dim * (shape.conv_width - 1) * act_bytes)
-    return shape.batch * per_request
-
-
-def decode_bytes(shape):
-    """Every layer's verify, then the commit of all T tokens."""
-    return shape.layers * verify_bytes(shape) + commit_bytes(shape, shape.spec_len)
 
 
 def _one_request(shape):
@@ -168,9 +197,8 @@ def setup_verify_commit(shape, device):
 def setup_conv_update(shape, device):
     B, T, D, W = shape.batch, shape.spec_len, shape.conv_dim, shape.conv_width
     act = shape.act_dtype
-    act_bytes = torch.finfo(act).bits // 8
     cols = W - 1 + T - 1
-    sets, N = _block_pool(shape, D * cols * act_bytes)
+    sets, N = _block_pool(shape, D * cols * _item_bytes(act))
     x = torch.randn(shape.tokens, D, device=device, dtype=act)
     conv_state = torch.randn(N, cols, D, device=device, dtype=act).transpose(-1, -2)
     weight, bias = torch.randn(D, W, device=device, dtype=act), torch.randn(D, device=device, dtype=act)
@@ -178,8 +206,7 @@ def setup_conv_update(shape, device):
     out = torch.empty_like(x)
     calls = [lambda idx=idx: kda_ops.conv_update(x, conv_state, weight, bias, starts, idx, out=out)
              for idx in _index_sets(sets, B, device)]
-    moved = (2 * shape.tokens * D + B * D * (W - 1) + B * D * (W - 2 + T)) * act_bytes
-    return calls, moved
+    return calls, conv_update_bytes(shape)
 
 
 def setup_step(shape, device):
@@ -190,7 +217,7 @@ def setup_step(shape, device):
     hidden, starts, _, accepted = model.example_inputs(shape.batch)
     calls = [lambda idx=idx: model.step(hidden, starts, idx, accepted)
              for idx in _index_sets(sets, shape.batch, device)]
-    return calls, model.step_bytes(shape.batch)
+    return calls, step_bytes(shape)
 
 
 SETUPS = {"verify": setup_verify, "commit": setup_commit, "conv_update": setup_conv_update,
@@ -282,7 +309,9 @@ def main(argv=None):
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {meta['gpu']} "
           f"(torch {meta['torch']}, triton {meta['triton']})")
     with open(opts.json, "w") as f:
-        json.dump(dict(meta=meta, rows=rows, shape=dataclasses.asdict(Shape(0, 0)) | {"act_dtype": "bfloat16"}),
+        shape = {name: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+                 for name, value in dataclasses.asdict(Shape(0, 0)).items()}
+        json.dump(dict(meta=meta, rows=rows, shape=shape),
                   f, indent=1, default=str)
     if opts.plot:
         plot(rows, opts.plot)

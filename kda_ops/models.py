@@ -146,15 +146,16 @@ class KDADecodeStep(nn.Module):
     @classmethod
     def for_benchmark(cls, shape, device, *, num_blocks: Optional[int] = None,
                       seed: int = 0) -> "KDADecodeStep":
-        """A model without projections for a `kda_ops.bench.Shape`-like object
-        (batch, spec_len, layers, heads, key_dim, value_dim, conv_width,
-        act_dtype): engine-like token-first conv state, lower bound -5,
+        """A model without projections for a `kda_ops.bench.Shape` (batch,
+        spec_len, layers, heads, key_dim, value_dim, conv_width, act_dtype,
+        state_dtype): engine-like token-first conv state, lower bound -5,
         `num_blocks` state blocks (default one per request, N = batch + 1),
         random caches."""
         num_blocks = shape.batch + 1 if num_blocks is None else num_blocks
         model = cls(shape.layers, shape.heads, shape.key_dim, shape.spec_len, shape.conv_width,
                     num_blocks, value_dim=shape.value_dim, projections=False,
-                    dtype=shape.act_dtype, conv_layout="token_first", lower_bound=-5.0,
+                    dtype=shape.act_dtype, state_dtype=shape.state_dtype,
+                    conv_layout="token_first", lower_bound=-5.0,
                     seed=seed, device=device)
         model.randomize_caches(seed)
         return model
@@ -282,19 +283,13 @@ class KDADecodeStep(nn.Module):
         """Bytes one `decode_step` of `batch` full windows must move through the
         KDA ops (each input read once, each output written once; projections
         not counted): per layer conv_update + verify, then the commit of
-        `accepted` tokens (default T) per request."""
-        L, H, K, V, T, D, W = (self.num_layers, self.num_heads, self.key_dim, self.value_dim,
-                               self.spec_len, self.conv_dim, self.conv_width)
-        accepted = T if accepted is None else accepted
-        act = torch.finfo(self.dtype).bits // 8
-        st = torch.finfo(self.state_dtype).bits // 8
-        n = batch * T
-        conv = (2 * n * D + batch * D * (W - 1) + batch * D * (W - 2 + T)) * act
-        verify = (batch * H * V * K * st + n * H * (3 * K + V + 1) * act + n * H * V * act
-                  + n * H * (V * 4 + 2 * K * act))
-        commit = batch * (2 * H * V * K * st + accepted * H * (V * 4 + 2 * K * act)
-                          + 2 * D * (W - 1) * act)
-        return L * (conv + verify + commit)
+        `accepted` tokens (default T) per request (`kda_ops.bench.step_bytes`)."""
+        from .bench import Shape, step_bytes  # bench builds on this module
+        shape = Shape(batch=batch, spec_len=self.spec_len, layers=self.num_layers,
+                      heads=self.num_heads, key_dim=self.key_dim, value_dim=self.value_dim,
+                      conv_width=self.conv_width, act_dtype=self.dtype,
+                      state_dtype=self.state_dtype)
+        return step_bytes(shape, accepted)
 
     def extra_repr(self) -> str:
         return (f"layers={self.num_layers}, heads={self.num_heads}, key_dim={self.key_dim}, "
