@@ -208,15 +208,16 @@ def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, monkey
     products), four to eight tokens: windows of 0 to T + 2 tokens, steep gates
     with and without a lower bound (decay products that underflow); K = 72
     leaves a partial and an all-padding key chunk, V = 72 a partial 64-row tile
-    and one of padding only. Four heads take the form by lowering its
-    threshold (768 pairs at the real one)."""
+    and one of padding only; the null block, a negative and an out-of-range
+    index. Four heads take the form by lowering its threshold (768 pairs at
+    the real one)."""
     monkeypatch.setattr(verify_kernels, "SEPARATE_TERMS_FROM_HEADS", 1)
     lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
     config = verify_config(K, V, len(lens) * 4, T)
     assert (config.tensor_cores, config.separate_terms) == (True, True), (
         "the two-kernel tensor-core form is not taken")
-    args, buffers = make_problem(device, H=4, K=K, V=V, T=T, N=len(lens) + 1, lens=lens,
-                                 indices=tuple(range(1, len(lens) + 1)),
+    args, buffers = make_problem(device, H=4, K=K, V=V, T=T, N=6, lens=lens,
+                                 indices=(1, 2, 0, 3, -2, 4, 6, 5),
                                  decay_shift=decay_shift, seed=51 + T)
     check_against_oracle(args, buffers, None, lower_bound=lower_bound)
 
