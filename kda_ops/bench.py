@@ -82,7 +82,7 @@ def _token_inputs(shape, device, lead=()):
 def setup_verify(shape, device):
     H, K, V, T, B = shape.heads, shape.key_dim, shape.value_dim, shape.spec_len, shape.batch
     act = shape.act_dtype
-    sets, N = _block_pool(shape, H * V * K * _item_bytes(shape.state_dtype))
+    sets, N = _block_pool(shape, H * V * K * shape.state_dtype.itemsize)
     q, k, g, v, beta = _token_inputs(shape, device)
     A_log, dt_bias = torch.randn(H, device=device) * 0.5, torch.randn(H, K, device=device)
     state = torch.randn(N, H, V, K, device=device, dtype=shape.state_dtype)
@@ -96,16 +96,12 @@ def setup_verify(shape, device):
     return calls, verify_bytes(shape)
 
 
-def _item_bytes(dtype):
-    return torch.finfo(dtype).bits // 8
-
-
 # Bytes each op must move: every input read once, every output written once.
 def verify_bytes(shape):
     """One layer's verify: state, q k g v beta read; out and records written."""
     H, K, V, n = shape.heads, shape.key_dim, shape.value_dim, shape.tokens
-    act = _item_bytes(shape.act_dtype)
-    return (shape.batch * H * V * K * _item_bytes(shape.state_dtype)
+    act = shape.act_dtype.itemsize
+    return (shape.batch * H * V * K * shape.state_dtype.itemsize
             + n * H * (3 * K + V + 1) * act + n * H * V * act + n * H * (V * 4 + 2 * K * act))
 
 
@@ -113,7 +109,7 @@ def conv_update_bytes(shape):
     """One layer's conv_update: x read, out written, the history read and the
     window written."""
     B, D, W = shape.batch, shape.conv_dim, shape.conv_width
-    act = _item_bytes(shape.act_dtype)
+    act = shape.act_dtype.itemsize
     return (2 * shape.tokens * D + B * D * (W - 1) + B * D * (W - 2 + shape.spec_len)) * act
 
 
@@ -121,8 +117,8 @@ def commit_bytes(shape, accepted):
     """Every layer's commit of `accepted` tokens per request: state read and
     written, records read, conv history read and written."""
     L, H, K, V = shape.layers, shape.heads, shape.key_dim, shape.value_dim
-    act = _item_bytes(shape.act_dtype)
-    per_request = L * (2 * H * V * K * _item_bytes(shape.state_dtype)
+    act = shape.act_dtype.itemsize
+    per_request = L * (2 * H * V * K * shape.state_dtype.itemsize
                        + accepted * H * (V * 4 + 2 * K * act)
                        + 2 * shape.conv_dim * (shape.conv_width - 1) * act)
     return shape.batch * per_request
@@ -198,7 +194,7 @@ def setup_conv_update(shape, device):
     B, T, D, W = shape.batch, shape.spec_len, shape.conv_dim, shape.conv_width
     act = shape.act_dtype
     cols = W - 1 + T - 1
-    sets, N = _block_pool(shape, D * cols * _item_bytes(act))
+    sets, N = _block_pool(shape, D * cols * act.itemsize)
     x = torch.randn(shape.tokens, D, device=device, dtype=act)
     conv_state = torch.randn(N, cols, D, device=device, dtype=act).transpose(-1, -2)
     weight, bias = torch.randn(D, W, device=device, dtype=act), torch.randn(D, device=device, dtype=act)
