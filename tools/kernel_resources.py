@@ -96,6 +96,10 @@ def compile_report(kernel, constexprs, num_warps, ttgir_path=None):
     names = kernel.arg_names
     # Plain launches, as from B = 8 (common.PROGRAMMATIC_LAUNCH_BELOW_BATCH).
     constexprs = dict(constexprs, PDL=False, **{n: 1 for n in names if n in UNIT_STRIDES})
+    # An unset constexpr would compile as a runtime argument: another kernel.
+    missing = [names[i] for i in kernel.constexprs if names[i] not in constexprs]
+    if missing:
+        raise ValueError(f"{kernel.__name__}: no value for constexpr {', '.join(missing)}")
     signature = {n: "constexpr" if n in constexprs else arg_type(n) for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))
