@@ -307,8 +307,7 @@ def main(argv=None):
     with open(opts.json, "w") as f:
         shape = {name: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
                  for name, value in dataclasses.asdict(Shape(0, 0)).items()}
-        json.dump(dict(meta=meta, rows=rows, shape=shape),
-                  f, indent=1, default=str)
+        json.dump(dict(meta=meta, rows=rows, shape=shape), f, indent=1)
     if opts.plot:
         plot(rows, opts.plot)
 

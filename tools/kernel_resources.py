@@ -66,15 +66,21 @@ def ptxas():
     return os.path.join(bin_dir, names[-1])
 
 
-def sass_summary(cubin):
-    """(instructions, [loop body sizes]) of a cubin's SASS."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
+def run_on_file(data, suffix, command):
+    """`command + [file]` on `data` written to a temporary file (text or bytes)."""
+    with tempfile.NamedTemporaryFile("wb" if isinstance(data, bytes) else "w", suffix=suffix,
+                                     delete=False) as f:
+        f.write(data)
     try:
-        listing = subprocess.run([os.path.join(os.path.dirname(ptxas()), "nvdisasm"), "-c",
-                                  f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run(command + [f.name], capture_output=True, text=True, check=True)
     finally:
         os.unlink(f.name)
+
+
+def sass_summary(cubin):
+    """(instructions, [loop body sizes]) of a cubin's SASS."""
+    listing = run_on_file(cubin, ".cubin",
+                          [os.path.join(os.path.dirname(ptxas()), "nvdisasm"), "-c"]).stdout
     count, labels, branches = 0, {}, []
     for line in listing.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -92,7 +98,7 @@ def sass_summary(cubin):
     return count, loops
 
 
-def compile_report(kernel, constexprs, num_warps, ttgir_path=None):
+def compile_report(kernel, constexprs, num_warps, ttgir_path=None, sass=False):
     names = kernel.arg_names
     # Plain launches, as from B = 8 (common.PROGRAMMATIC_LAUNCH_BELOW_BATCH).
     constexprs = dict(constexprs, PDL=False, **{n: 1 for n in names if n in UNIT_STRIDES})
@@ -111,18 +117,15 @@ def compile_report(kernel, constexprs, num_warps, ttgir_path=None):
     if ttgir_path:
         with open(ttgir_path, "w") as f:
             f.write(compiled.asm["ttgir"])
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(compiled.asm["ptx"])
-    try:
-        result = subprocess.run([ptxas(), "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
-                                capture_output=True, text=True, check=True)
-    finally:
-        os.unlink(f.name)
+    result = run_on_file(compiled.asm["ptx"], ".ptx",
+                         [ptxas(), "-v", "-arch=sm_90a", "-o", os.devnull])
     registers = re.search(r"Used (\d+) registers", result.stderr)
     spills = re.search(r"(\d+) bytes spill stores", result.stderr)
-    instructions, loops = sass_summary(compiled.asm["cubin"])
-    return dict(registers=int(registers.group(1)), spill_store_bytes=int(spills.group(1)),
-                shared_bytes=compiled.metadata.shared, instructions=instructions, loops=loops)
+    report = dict(registers=int(registers.group(1)), spill_store_bytes=int(spills.group(1)),
+                  shared_bytes=compiled.metadata.shared)
+    if sass:
+        report["instructions"], report["loops"] = sass_summary(compiled.asm["cubin"])
+    return report
 
 
 def main(argv=None):
@@ -180,7 +183,7 @@ def main(argv=None):
         })
         for name, (kernel, constexprs, warps) in cases.items():
             ttgir = os.path.join(args.ttgir, f"{name}_T{T}.ttgir") if args.ttgir else None
-            report = compile_report(kernel, constexprs, warps, ttgir)
+            report = compile_report(kernel, constexprs, warps, ttgir, args.sass)
             line = (f"{name:13s} T={T} warps={warps}: {report['registers']} registers, "
                     f"{report['spill_store_bytes']} B spilled, {report['shared_bytes']} B shared")
             if args.sass:
