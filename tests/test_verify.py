@@ -200,12 +200,13 @@ def test_verify_tensor_cores(device, T, heads, lower_bound, decay_shift, K, V, m
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("link_on_tensor_cores", [False, True])
+@pytest.mark.parametrize("link_on_tensor_cores, cheap_split", [(False, False), (True, False),
+                                                               (True, True)])
 @pytest.mark.parametrize("T, lower_bound, decay_shift, K, V", [
     (4, -5.0, 0.0, 16, 40), (5, None, 0.0, 16, 40), (8, None, 4.0, 16, 40),
     (8, -100.0, 4.0, 72, 72)])
 def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, link_on_tensor_cores,
-                               monkeypatch):
+                               cheap_split, monkeypatch):
     """The tensor-core form in two kernels (the window terms, then the state
     products), four to eight tokens: windows of 0 to T + 2 tokens, steep gates
     with and without a lower bound (decay products that underflow); K = 72
@@ -215,6 +216,7 @@ def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, link_o
     the real one)."""
     monkeypatch.setattr(verify_kernels, "SEPARATE_TERMS_FROM_HEADS", 1)
     monkeypatch.setattr(verify_kernels, "LINK_ON_TENSOR_CORES", link_on_tensor_cores)
+    monkeypatch.setattr(verify_kernels, "CHEAP_TF32_SPLIT", cheap_split)
     lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
     config = verify_config(K, V, len(lens) * 4, T)
     assert (config.tensor_cores, config.separate_terms) == (True, True), (

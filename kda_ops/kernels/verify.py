@@ -192,7 +192,7 @@ def _verify_kernel(
                 outs, corrections = tensor_core_tile(
                     state_head, term_cols, outs, corrections, processed, steps, coupling_at,
                     v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
-                    stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES)
+                    stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES, False)
             elif CLOSED_FORM:
                 outs, corrections = _closed_form_tile(
                     state, outs, corrections, processed, steps, vec_base, slot_keys,
@@ -398,6 +398,10 @@ WINDOW_TERMS_WARPS = 1  # see verify_tensor_cores._coupling
 # tensor-core product (verify_tensor_cores.link_on_tensor_cores) instead of
 # token by token.
 LINK_ON_TENSOR_CORES = False
+# Experiment (not timed): the two-kernel form's state products split their
+# operands into TF32 parts by verify_tensor_cores.split_tf32 instead of
+# Triton's tf32x3.
+CHEAP_TF32_SPLIT = False
 
 
 class VerifyConfig(NamedTuple):
@@ -473,6 +477,7 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
             *_token_strides(out), query_start_loc.stride(0), state_indices.stride(0),
             K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT, NP=max(16, 2 * BT),
             KEY_CHUNK=config.key_chunk, STAGES=config.stages, LINK_MATRIX=LINK_ON_TENSOR_CORES,
+            CHEAP_SPLIT=CHEAP_TF32_SPLIT,
             num_warps=config.num_warps, **launch,
         )
         return

@@ -147,7 +147,8 @@ def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps,
                      v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
                      stride_beta_tok, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
-                     SPEC_LEN: tl.constexpr, KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr):
+                     SPEC_LEN: tl.constexpr, KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr,
+                     CHEAP_SPLIT: tl.constexpr):
     """A state tile's closed form with its 2T products on tensor cores: one
     `[BV, NP]` product of the tile with every token's E k (column t) and E q
     (column BT + t), whose keys start at `term_cols` (`[NP]` pointers; columns
@@ -156,7 +157,7 @@ def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps,
     The products run in 3xTF32 (each operand split into two TF32 parts, three
     products), which keeps fp32 accuracy: plain TF32 would lose it."""
     products = state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, K, V, BK,
-                              BV, BT, NP, KEY_CHUNK, STAGES)
+                              BV, BT, NP, KEY_CHUNK, STAGES, CHEAP_SPLIT)
     cols = tl.arange(0, NP)
     residuals = ()
     query_dots = ()
@@ -173,7 +174,8 @@ def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps,
 @triton.jit
 def state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, K: tl.constexpr,
                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                   NP: tl.constexpr, KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr):
+                   NP: tl.constexpr, KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr,
+                   CHEAP_SPLIT: tl.constexpr):
     """The `[BV, NP]` product of a state tile with the columns at `term_cols`
     (see tensor_core_tile)."""
     cols = tl.arange(0, NP)
@@ -187,8 +189,33 @@ def state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, K: tl.
         s = tl.load(rows + keys[None, :] * stride_s_k, mask=rows_ok & (keys < K)[None, :],
                     other=0.0).to(tl.float32)
         w = tl.load(term_cols[None, :] + keys[:, None], mask=w_mask, other=0.0)
-        products = tl.dot(s, w, products, input_precision="tf32x3")
+        products = dot_3xtf32(s, w, products, CHEAP_SPLIT)
     return products
+
+
+@triton.jit
+def split_tf32(x):
+    """x = hi + lo: hi rounded to TF32 (10 mantissa bits; half away from zero,
+    by an integer add and a mask), lo = x - hi exactly, with at most 12
+    significant bits, of which the tensor cores keep 11. Unlike Triton's
+    tf32x3 split it does not guard against NaN payloads that carry into the
+    sign (canonical NaNs stay NaN, infinities stay infinite)."""
+    hi = ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def dot_3xtf32(a, b, acc, CHEAP_SPLIT: tl.constexpr):
+    """acc + a b in 3xTF32 (hi hi + hi lo + lo hi): Triton's tf32x3, or with
+    CHEAP_SPLIT the operands split by split_tf32 (3 instructions an element
+    against about 6)."""
+    if CHEAP_SPLIT:
+        a_hi, a_lo = split_tf32(a)
+        b_hi, b_lo = split_tf32(b)
+        acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
+        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+        return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+    return tl.dot(a, b, acc, input_precision="tf32x3")
 
 
 @triton.jit
@@ -229,7 +256,7 @@ def _tensor_core_verify_kernel(
     stride_query_start, stride_state_indices,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPEC_LEN: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, KEY_CHUNK: tl.constexpr,
-    STAGES: tl.constexpr, LINK_MATRIX: tl.constexpr,
+    STAGES: tl.constexpr, LINK_MATRIX: tl.constexpr, CHEAP_SPLIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One `[BV]` tile of a (request, head): the closed form from the checkpoint
@@ -259,7 +286,7 @@ def _tensor_core_verify_kernel(
         if LINK_MATRIX:
             outs, corrections = link_on_tensor_cores(
                 state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, K, V, BK,
-                               BV, BT, NP, KEY_CHUNK, STAGES),
+                               BV, BT, NP, KEY_CHUNK, STAGES, CHEAP_SPLIT),
                 processed, coupling_ptr + head_row * (2 * BT * BT), v_rows, offs_v,
                 stride_v_tok, V, BT)
         else:
@@ -268,7 +295,8 @@ def _tensor_core_verify_kernel(
                 tl.zeros([BV, BT], dtype=tl.float32), tl.zeros([BV, BT], dtype=tl.float32),
                 processed, steps, coupling_ptr + head_row * (2 * BT * BT), v_rows, offs_v,
                 beta_ptr + bos * stride_beta_tok + h * stride_beta_head, stride_s_v, stride_s_k,
-                stride_v_tok, stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES)
+                stride_v_tok, stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES,
+                CHEAP_SPLIT)
         step_mask = mask_v[:, None] & (steps < processed)[None, :]
         tl.store(out_ptr + (bos + steps[None, :]) * stride_o_tok + h * stride_o_head
                  + offs_v[:, None] * stride_o_dim, outs, mask=step_mask)
