@@ -156,7 +156,8 @@ def main(argv=None):
                 "verify_tc": (tensor_core_kernels._tensor_core_verify_kernel,
                               dict(K=K, V=V, BK=K, BV=verify.block_v, SPEC_LEN=T, BT=BT,
                                    NP=max(16, 2 * BT), KEY_CHUNK=verify.key_chunk,
-                                   STAGES=verify.stages, LINK_MATRIX=args.link_on_tensor_cores),
+                                   STAGES=verify.stages, LINK_MATRIX=args.link_on_tensor_cores,
+                                   CHEAP_SPLIT=verify_kernels.CHEAP_TF32_SPLIT),
                               verify.num_warps),
             }
         else:
