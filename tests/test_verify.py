@@ -2,11 +2,14 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import kda_ops
 from kda_ops import naive
 from kda_ops.kernels import verify as verify_kernels
 from kda_ops.kernels.verify import verify_config
+from kda_ops.kernels.verify_tensor_cores import split_tf32
 
 from helpers import (DEVICES, INTERPRET, assert_rel_close, guarded, outside, query_start_loc,
                      raises_missing_out)
@@ -200,10 +203,13 @@ def test_verify_tensor_cores(device, T, heads, lower_bound, decay_shift, K, V, m
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("link_on_tensor_cores, cheap_split", [(False, False), (True, False),
+                                                               (True, True)])
 @pytest.mark.parametrize("T, lower_bound, decay_shift, K, V", [
     (4, -5.0, 0.0, 16, 40), (5, None, 0.0, 16, 40), (8, None, 4.0, 16, 40),
     (8, -100.0, 4.0, 72, 72)])
-def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, monkeypatch):
+def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, link_on_tensor_cores,
+                               cheap_split, monkeypatch):
     """The tensor-core form in two kernels (the window terms, then the state
     products), four to eight tokens: windows of 0 to T + 2 tokens, steep gates
     with and without a lower bound (decay products that underflow); K = 72
@@ -212,6 +218,8 @@ def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, monkey
     index. Four heads take the form by lowering its threshold (768 pairs at
     the real one)."""
     monkeypatch.setattr(verify_kernels, "SEPARATE_TERMS_FROM_HEADS", 1)
+    monkeypatch.setattr(verify_kernels, "LINK_ON_TENSOR_CORES", link_on_tensor_cores)
+    monkeypatch.setattr(verify_kernels, "CHEAP_TF32_SPLIT", cheap_split)
     lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
     config = verify_config(K, V, len(lens) * 4, T)
     assert (config.tensor_cores, config.separate_terms) == (True, True), (
@@ -357,3 +365,35 @@ def test_verify_rejects_mixed_devices():
     args["state_indices"] = args["state_indices"].cuda()
     with pytest.raises(ValueError, match="`state_indices`"):
         call_verify(args)
+
+
+@triton.jit
+def _split_kernel(x_ptr, hi_ptr, lo_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    hi, lo = split_tf32(tl.load(x_ptr + offs))
+    tl.store(hi_ptr + offs, hi)
+    tl.store(lo_ptr + offs, lo)
+
+
+@pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
+                    reason="runs a Triton kernel: the interpreter or a GPU")
+def test_split_tf32_parts():
+    """verify_tensor_cores.split_tf32 (CHEAP_TF32_SPLIT): hi keeps TF32's 10
+    mantissa bits, rounded to nearest (half away from zero), and hi + lo is x
+    exactly, so lo holds what the tensor cores would drop from x; infinities
+    stay infinite."""
+    device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1024, generator=gen) * torch.exp(torch.randn(1024, generator=gen) * 10)
+    x[:4] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0])
+    x = x.to(device)
+    hi, lo = torch.empty_like(x), torch.empty_like(x)
+    _split_kernel[(1,)](x, hi, lo, N=1024)
+    hi, lo, x = hi.cpu(), lo.cpu(), x.cpu()
+    assert torch.equal(hi[:4], x[:4]) and torch.equal(lo[2:4], x[2:4])
+    x, hi, lo = x[4:], hi[4:], lo[4:]
+    assert (hi.view(torch.int32) & 0x1FFF == 0).all(), "hi has more than 10 mantissa bits"
+    assert torch.equal(hi + lo, x), "hi + lo is not x"
+    # Nearest: the dropped part is at most half a TF32 unit of x.
+    half_unit = torch.ldexp(torch.ones_like(x), torch.frexp(x.abs()).exponent - 12)
+    assert (lo.abs() <= half_unit).all(), "hi is not x rounded to nearest"

@@ -192,7 +192,7 @@ def _verify_kernel(
                 outs, corrections = tensor_core_tile(
                     state_head, term_cols, outs, corrections, processed, steps, coupling_at,
                     v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
-                    stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES)
+                    stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES, False)
             elif CLOSED_FORM:
                 outs, corrections = _closed_form_tile(
                     state, outs, corrections, processed, steps, vec_base, slot_keys,
@@ -394,6 +394,14 @@ SEPARATE_TERMS_FROM_HEADS = 768
 SEPARATE_TERMS_BLOCK_V = 64
 SEPARATE_TERMS_WARPS = 4
 WINDOW_TERMS_WARPS = 1  # see verify_tensor_cores._coupling
+# Experiment (not timed): the two-kernel form links the tokens in one more
+# tensor-core product (verify_tensor_cores.link_on_tensor_cores) instead of
+# token by token.
+LINK_ON_TENSOR_CORES = False
+# Experiment (not timed): the two-kernel form's state products split their
+# operands into TF32 parts by verify_tensor_cores.split_tf32 instead of
+# Triton's tf32x3.
+CHEAP_TF32_SPLIT = False
 
 
 class VerifyConfig(NamedTuple):
@@ -456,20 +464,21 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         coupling = torch.empty((dims.batch, num_heads, 2 * BT * BT), device=q.device,
                                dtype=torch.float32)
         wrap_triton(_window_terms_kernel)[(dims.batch, num_heads)](
-            q, k, g, A_log, dt_bias, key_gate, terms, coupling, *index_args, *scalars,
-            *_token_strides(q), *_token_strides(k), *_token_strides(g),
+            q, k, g, beta, A_log, dt_bias, key_gate, terms, coupling, *index_args, *scalars,
+            *_token_strides(q), *_token_strides(k), *_token_strides(g), *beta.stride()[-2:],
             A_log.stride(0), *dt_strides, *key_gate.stride(),
             query_start_loc.stride(0), state_indices.stride(0),
             K=K, BK=BK, SPEC_LEN=dims.spec_len, BT=BT, USE_LOWER_BOUND=lower_bound is not None,
-            num_warps=WINDOW_TERMS_WARPS, **launch,
+            LINK_MATRIX=LINK_ON_TENSOR_CORES, num_warps=WINDOW_TERMS_WARPS, **launch,
         )
         wrap_triton(_tensor_core_verify_kernel)[(triton.cdiv(V, BV), dims.batch, num_heads)](
             v, beta, state, correction, out, terms, coupling, *index_args, dims.num_blocks,
             *_token_strides(v), *beta.stride()[-2:], *state.stride(), *correction.stride(),
             *_token_strides(out), query_start_loc.stride(0), state_indices.stride(0),
             K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT, NP=max(16, 2 * BT),
-            KEY_CHUNK=config.key_chunk, STAGES=config.stages, num_warps=config.num_warps,
-            **launch,
+            KEY_CHUNK=config.key_chunk, STAGES=config.stages, LINK_MATRIX=LINK_ON_TENSOR_CORES,
+            CHEAP_SPLIT=CHEAP_TF32_SPLIT,
+            num_warps=config.num_warps, **launch,
         )
         return
     grid = (triton.cdiv(triton.cdiv(V, BV), v_tiles), dims.batch, num_heads)

@@ -22,23 +22,26 @@ from .common import (block_is_valid, link_tokens, live_range, load_window,
 
 @triton.jit
 def _window_terms_kernel(
-    q_ptr, k_ptr, g_ptr, A_log_ptr, dt_bias_ptr, key_gate_ptr, terms_ptr, coupling_ptr,
+    q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, key_gate_ptr, terms_ptr, coupling_ptr,
     query_start_ptr, state_indices_ptr,
     num_blocks, lower_bound, scale,
     stride_q_tok, stride_q_head, stride_q_dim,
     stride_k_tok, stride_k_head, stride_k_dim,
     stride_g_tok, stride_g_head, stride_g_dim,
+    stride_beta_tok, stride_beta_head,
     stride_A_head, stride_dt_head, stride_dt_dim,
     stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
     stride_query_start, stride_state_indices,
     K: tl.constexpr, BK: tl.constexpr, SPEC_LEN: tl.constexpr, BT: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, LINK_MATRIX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Per (request, head): rows t and BT + t of `terms` [2 BT, BK] get E_t k_t
     and E_t q_t, `coupling` [2, BT, BT] gets A[t, s] at [0, s, t] and B[t, s] at
-    [1, s, t] (see _coupling), and the key/gate record is written. Rows past
-    the window hold zeros (a decay of 1), so their coupling is zero."""
+    [1, s, t] (see _coupling), or with LINK_MATRIX the link matrices N and W
+    (_link_matrices) at [0, s, t] and [1, s, t], and the key/gate record is
+    written. Rows past the window hold zeros (a decay of 1), so their coupling
+    is zero."""
     wait_for_previous_kernel(PDL)
     lower_bound = tl.cast(lower_bound, tl.float32)
     scale = tl.cast(scale, tl.float32)
@@ -76,6 +79,11 @@ def _window_terms_kernel(
         tl.store(terms_tile, keys * window_decays)
         tl.store(terms_tile + BT * BK, queries * window_decays)
         key_coupling, query_coupling = _coupling(keys, queries, decays, steps, SPEC_LEN)
+        if LINK_MATRIX:
+            beta = tl.load(beta_ptr + (bos + steps) * stride_beta_tok + h * stride_beta_head,
+                           mask=steps < processed, other=0.0).to(tl.float32)
+            key_coupling, query_coupling = _link_matrices(key_coupling, query_coupling,
+                                                          tl.sigmoid(beta), steps, SPEC_LEN)
         coupling_tile = (coupling_ptr + head_row * (2 * BT * BT)
                          + steps[:, None] * BT + steps[None, :])
         tl.store(coupling_tile, key_coupling)
@@ -115,11 +123,32 @@ def _coupling(keys, queries, decays, steps, SPEC_LEN: tl.constexpr):
 
 
 @triton.jit
+def _link_matrices(key_coupling, query_coupling, gains, steps, SPEC_LEN: tl.constexpr):
+    """The closed form's token links as two `[s, t]` matrices: with r_s = v_s -
+    S0 (E_s k_s) and p_s = S0 (E_s q_s), u = r N and out = p + r W (link_tokens
+    computes the same token by token). Column t of N is gain_t (e_t - sum over
+    r < t of A[t, r] N[:, r]), built in token order as link_tokens builds u;
+    W = N B^T. `key_coupling` and `query_coupling` hold A[t, s] and B[t, s] at
+    [s, t] (_coupling); columns of tokens past SPEC_LEN stay zero."""
+    BT: tl.constexpr = steps.shape[0]
+    link = tl.zeros([BT, BT], dtype=tl.float32)
+    for t in tl.static_range(SPEC_LEN):
+        at_t = steps[None, :] == t
+        # Row r of A[t, :] as a row over the columns r of `link`.
+        couplings = tl.sum(tl.where(at_t, key_coupling, 0.0), axis=1)
+        linked = tl.sum(link * tl.reshape(couplings, (1, BT)), axis=1)
+        gain = tl.sum(tl.where(steps == t, gains, 0.0), axis=0)
+        link = tl.where(at_t, ((steps == t) - linked)[:, None] * gain, link)
+    return link, tl.sum(link[:, :, None] * query_coupling[None, :, :], axis=1)
+
+
+@triton.jit
 def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps, coupling_at,
                      v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
                      stride_beta_tok, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
-                     SPEC_LEN: tl.constexpr, KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr):
+                     SPEC_LEN: tl.constexpr, KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr,
+                     CHEAP_SPLIT: tl.constexpr):
     """A state tile's closed form with its 2T products on tensor cores: one
     `[BV, NP]` product of the tile with every token's E k (column t) and E q
     (column BT + t), whose keys start at `term_cols` (`[NP]` pointers; columns
@@ -127,6 +156,28 @@ def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps,
     that Triton pipelines through shared memory; then the tokens are linked.
     The products run in 3xTF32 (each operand split into two TF32 parts, three
     products), which keeps fp32 accuracy: plain TF32 would lose it."""
+    products = state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, K, V, BK,
+                              BV, BT, NP, KEY_CHUNK, STAGES, CHEAP_SPLIT)
+    cols = tl.arange(0, NP)
+    residuals = ()
+    query_dots = ()
+    for t in tl.static_range(SPEC_LEN):
+        v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, t < processed),
+                    other=0.0).to(tl.float32)
+        residuals = residuals + (v - tl.sum(tl.where(cols[None, :] == t, products, 0.0), axis=1),)
+        query_dots = query_dots + (tl.sum(tl.where(cols[None, :] == BT + t, products, 0.0),
+                                          axis=1),)
+    return link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,
+                       beta_at, stride_beta_tok, BT, SPEC_LEN)
+
+
+@triton.jit
+def state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, K: tl.constexpr,
+                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                   NP: tl.constexpr, KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr,
+                   CHEAP_SPLIT: tl.constexpr):
+    """The `[BV, NP]` product of a state tile with the columns at `term_cols`
+    (see tensor_core_tile)."""
     cols = tl.arange(0, NP)
     chunk = tl.arange(0, KEY_CHUNK)
     w_mask = (cols < 2 * BT)[None, :]
@@ -138,17 +189,58 @@ def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps,
         s = tl.load(rows + keys[None, :] * stride_s_k, mask=rows_ok & (keys < K)[None, :],
                     other=0.0).to(tl.float32)
         w = tl.load(term_cols[None, :] + keys[:, None], mask=w_mask, other=0.0)
-        products = tl.dot(s, w, products, input_precision="tf32x3")
-    residuals = ()
-    query_dots = ()
-    for t in tl.static_range(SPEC_LEN):
-        v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, t < processed),
-                    other=0.0).to(tl.float32)
-        residuals = residuals + (v - tl.sum(tl.where(cols[None, :] == t, products, 0.0), axis=1),)
-        query_dots = query_dots + (tl.sum(tl.where(cols[None, :] == BT + t, products, 0.0),
-                                          axis=1),)
-    return link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,
-                       beta_at, stride_beta_tok, BT, SPEC_LEN)
+        products = dot_3xtf32(s, w, products, CHEAP_SPLIT)
+    return products
+
+
+@triton.jit
+def split_tf32(x):
+    """x = hi + lo: hi rounded to TF32 (10 mantissa bits; half away from zero,
+    by an integer add and a mask), lo = x - hi exactly, with at most 12
+    significant bits, of which the tensor cores keep 11. Unlike Triton's
+    tf32x3 split it does not guard against NaN payloads that carry into the
+    sign (canonical NaNs stay NaN, infinities stay infinite)."""
+    hi = ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def dot_3xtf32(a, b, acc, CHEAP_SPLIT: tl.constexpr):
+    """acc + a b in 3xTF32 (hi hi + hi lo + lo hi): Triton's tf32x3, or with
+    CHEAP_SPLIT the operands split by split_tf32 (3 instructions an element
+    against about 6)."""
+    if CHEAP_SPLIT:
+        a_hi, a_lo = split_tf32(a)
+        b_hi, b_lo = split_tf32(b)
+        acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
+        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+        return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+    return tl.dot(a, b, acc, input_precision="tf32x3")
+
+
+@triton.jit
+def link_on_tensor_cores(products, processed, link_at, v_rows, offs_v, stride_v_tok,
+                         V: tl.constexpr, BT: tl.constexpr):
+    """Corrections u and outputs `[BV, BT]` from the products (column s: S0 E_s k_s,
+    BT + s: S0 E_s q_s) in one more product: with R holding v_s - S0 E_s k_s in
+    column s and -S0 E_s q_s in column BT + s, R M has u_t in column t and
+    out_t in column BT + t, for M = [[N, W], [0, -I]] (_link_matrices, read
+    from `link_at`)."""
+    NP: tl.constexpr = products.shape[1]
+    cols = tl.arange(0, NP)
+    values = tl.load(v_rows[:, None] + cols[None, :] * stride_v_tok,
+                     mask=(offs_v < V)[:, None] & (cols < processed)[None, :],
+                     other=0.0).to(tl.float32)
+    rows = cols[:, None]
+    token = cols[None, :] % BT
+    link = tl.load(link_at + (cols[None, :] >= BT) * (BT * BT) + rows * BT + token,
+                   mask=(rows < BT) & (cols[None, :] < 2 * BT), other=0.0)
+    link = tl.where((rows >= BT) & (rows < 2 * BT) & (cols[None, :] == rows), -1.0, link)
+    linked = tl.dot(values - products, link, input_precision="tf32x3")
+    # Columns a * BT + t: a = 0 u_t, a = 1 out_t, a >= 2 zeros.
+    linked = tl.sum(tl.reshape(linked, (linked.shape[0], NP // (2 * BT), 2, BT)), axis=1)
+    corrections, outs = tl.split(tl.permute(linked, (0, 2, 1)))
+    return outs, corrections
 
 
 @triton.jit
@@ -164,11 +256,12 @@ def _tensor_core_verify_kernel(
     stride_query_start, stride_state_indices,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPEC_LEN: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, KEY_CHUNK: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, LINK_MATRIX: tl.constexpr, CHEAP_SPLIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One `[BV]` tile of a (request, head): the closed form from the checkpoint
-    and the window terms (tensor_core_tile)."""
+    and the window terms (tensor_core_tile; with LINK_MATRIX the tokens are
+    linked by link_on_tensor_cores)."""
     wait_for_previous_kernel(PDL)
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -188,13 +281,22 @@ def _tensor_core_verify_kernel(
         steps = tl.arange(0, BT)
         # Column n < BT reads token n's E k, BT <= n < 2 BT token n - BT's E q.
         term_cols = terms_ptr + head_row * (2 * BT * BK) + tl.arange(0, NP) * BK
-        outs, corrections = tensor_core_tile(
-            state_ptr + block * stride_s_blk + h * stride_s_head, term_cols,
-            tl.zeros([BV, BT], dtype=tl.float32), tl.zeros([BV, BT], dtype=tl.float32),
-            processed, steps, coupling_ptr + head_row * (2 * BT * BT),
-            v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim, offs_v,
-            beta_ptr + bos * stride_beta_tok + h * stride_beta_head, stride_s_v, stride_s_k,
-            stride_v_tok, stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES)
+        state_head = state_ptr + block * stride_s_blk + h * stride_s_head
+        v_rows = v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim
+        if LINK_MATRIX:
+            outs, corrections = link_on_tensor_cores(
+                state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, K, V, BK,
+                               BV, BT, NP, KEY_CHUNK, STAGES, CHEAP_SPLIT),
+                processed, coupling_ptr + head_row * (2 * BT * BT), v_rows, offs_v,
+                stride_v_tok, V, BT)
+        else:
+            outs, corrections = tensor_core_tile(
+                state_head, term_cols,
+                tl.zeros([BV, BT], dtype=tl.float32), tl.zeros([BV, BT], dtype=tl.float32),
+                processed, steps, coupling_ptr + head_row * (2 * BT * BT), v_rows, offs_v,
+                beta_ptr + bos * stride_beta_tok + h * stride_beta_head, stride_s_v, stride_s_k,
+                stride_v_tok, stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES,
+                CHEAP_SPLIT)
         step_mask = mask_v[:, None] & (steps < processed)[None, :]
         tl.store(out_ptr + (bos + steps[None, :]) * stride_o_tok + h * stride_o_head
                  + offs_v[:, None] * stride_o_dim, outs, mask=step_mask)
