@@ -42,10 +42,24 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
     waits until the previous kernel has finished and its writes are visible,
     then lets the next one start launching. Every program waits, so a kernel
     never finishes before the one it follows, and a kernel two back is always
-    done: no load may move above this."""
+    done: no load may move above this, except one whose value only picks the
+    lines of a prefetch_to_l2 (a stale value then wastes a prefetch)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_to_l2(ptrs, ENABLED: tl.constexpr):
+    """Asks the L2 for the lines at `ptrs` (one pointer per line is enough,
+    each must address memory of a kernel argument): a hint that returns no
+    data and holds no register, so a program can start a tile's DRAM traffic
+    before it can use the tile. The L2 is where global memory is coherent, so
+    a later load can never read stale data through it. ENABLED False
+    (Triton's interpreter, which runs no inline PTX) skips it."""
+    if ENABLED:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

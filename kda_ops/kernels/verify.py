@@ -42,7 +42,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import wrap_triton
 
 from .common import (block_is_valid, dependent_launch, link_tokens, live_range, load_window,
-                     wait_for_previous_kernel, window_vectors)
+                     prefetch_to_l2, wait_for_previous_kernel, window_vectors)
 from .verify_tensor_cores import _tensor_core_verify_kernel, _window_terms_kernel, tensor_core_tile
 
 
@@ -67,16 +67,27 @@ def _verify_kernel(
     SPEC_LEN: tl.constexpr, BT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr, UNROLL_TOKENS: tl.constexpr,
     CLOSED_FORM: tl.constexpr, TENSOR_CORES: tl.constexpr, NP: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PREFETCH_STATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    first_tile = tl.program_id(0) * V_TILES
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    if PREFETCH_STATE:
+        # Before the wait the index may be stale (a kernel before this one may
+        # be writing it): that costs a prefetch of the wrong lines, never a
+        # wrong value, and clamped it stays inside `state`.
+        guess = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+        if num_blocks > 0:
+            guess = tl.minimum(tl.maximum(guess, 0), num_blocks - 1)
+            rows = tl.minimum(first_tile * BV + tl.arange(0, V_TILES * BV), V - 1)
+            line_keys = tl.minimum(tl.arange(0, BK // 32) * 32, K - 1)
+            prefetch_to_l2(state_ptr + guess * stride_s_blk + h * stride_s_head
+                           + rows[:, None] * stride_s_v + line_keys[None, :] * stride_s_k, True)
     wait_for_previous_kernel(PDL)
     # Inductor passes Python floats as fp64 scalars; the arithmetic is fp32.
     lower_bound = tl.cast(lower_bound, tl.float32)
     scale = tl.cast(scale, tl.float32)
-    first_tile = tl.program_id(0) * V_TILES
-    b = tl.program_id(1)
-    h = tl.program_id(2)
 
     bos = tl.load(query_start_ptr + b * stride_query_start).to(tl.int64)
     eos = tl.load(query_start_ptr + (b + 1) * stride_query_start).to(tl.int64)
@@ -394,6 +405,9 @@ SEPARATE_TERMS_FROM_HEADS = 768
 SEPARATE_TERMS_BLOCK_V = 64
 SEPARATE_TERMS_WARPS = 4
 WINDOW_TERMS_WARPS = 1  # see verify_tensor_cores._coupling
+# Experiment (not timed): a verify kernel launched programmatically asks the L2
+# for its state tile before its wait (common.prefetch_to_l2).
+STATE_PREFETCH_BEFORE_WAIT = False
 
 
 class VerifyConfig(NamedTuple):
@@ -491,5 +505,6 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         USE_LOWER_BOUND=lower_bound is not None, KEY_CHUNK=config.key_chunk, V_TILES=v_tiles,
         UNROLL_TOKENS=config.unroll_tokens, CLOSED_FORM=closed,
         TENSOR_CORES=config.tensor_cores, NP=max(16, 2 * BT), STAGES=config.stages,
+        PREFETCH_STATE=STATE_PREFETCH_BEFORE_WAIT and launch["PDL"],
         num_warps=config.num_warps, **launch,
     )
