@@ -11,6 +11,7 @@ from torch._library.triton import set_wrap_triton_enabled
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 import kda_ops
+from kda_ops.kernels import commit as commit_kernels
 from kda_ops.kernels import common
 from kda_ops.kernels import verify as verify_kernels
 
@@ -101,10 +102,11 @@ def test_dependent_launch_chain_is_exact(separate_terms, prefetch, monkeypatch):
     """The chain with plain launches, then with programmatic dependent launch
     eagerly and replayed from a CUDA graph: every output and buffer bitwise
     equal. separate_terms puts verify's two-kernel form in the chain; prefetch
-    has verify ask the L2 for its state before its wait."""
+    has verify and the commit ask the L2 for their state before their wait."""
     if separate_terms:
         monkeypatch.setattr(verify_kernels, "SEPARATE_TERMS_FROM_HEADS", 1)
     monkeypatch.setattr(verify_kernels, "STATE_PREFETCH_BEFORE_WAIT", prefetch)
+    monkeypatch.setattr(commit_kernels, "STATE_PREFETCH_BEFORE_WAIT", prefetch)
     monkeypatch.setattr(common, "PROGRAMMATIC_LAUNCH", False)
     plain = make_chain("cuda")
     run_chain(plain)

@@ -10,7 +10,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from .common import (NULL_BLOCK, block_is_valid, commit_plan_row, dependent_launch, kda_gate,
-                     l2_normalize, live_range, wait_for_previous_kernel)
+                     l2_normalize, live_range, prefetch_state_rows, wait_for_previous_kernel)
 from .conv import conv_config
 
 
@@ -29,14 +29,20 @@ def _commit_state_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NUM_HEADS: tl.constexpr, SPEC_LEN: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr, RECORD_STAGES: tl.constexpr,
+    PREFETCH_STATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
-    lower_bound = tl.cast(lower_bound, tl.float32)  # fp64 when launched by Inductor
     pid_v = tl.program_id(0)
     b = tl.program_id(1)
     layer = tl.program_id(2) // NUM_HEADS
     h = tl.program_id(2) % NUM_HEADS
+    if PREFETCH_STATE:
+        prefetch_state_rows(state_ptr + layer * stride_s_layer + h * stride_s_head, stride_s_blk,
+                            state_indices_ptr + b * stride_state_indices, num_blocks,
+                            tl.minimum(pid_v * BV + tl.arange(0, BV), V - 1), stride_s_v,
+                            stride_s_k, K, BK)
+    wait_for_previous_kernel(PDL)
+    lower_bound = tl.cast(lower_bound, tl.float32)  # fp64 when launched by Inductor
 
     commit, row, final_col, boundary_col, recovery = commit_plan_row(
         b, accepted_ptr, stride_accepted, request_ptr, stride_request,
@@ -200,6 +206,11 @@ def plan_launch_args(num_accepted_tokens, request_indices, state_indices, query_
     return pointers, scalars, strides
 
 
+# Experiment (not timed): a commit launched programmatically asks the L2 for
+# its state tiles before its wait (common.prefetch_state_rows).
+STATE_PREFETCH_BEFORE_WAIT = False
+
+
 def commit_config(value_dim):
     """(BV, num_warps, record pipeline stages) of the state fold, measured best
     on an H200 at every batch and T = 2, 4, 8. Against 64 rows in two warps
@@ -230,7 +241,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),
         K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, NUM_HEADS=dims.num_heads,
         USE_LOWER_BOUND=lower_bound is not None, RECORD_STAGES=record_stages, **flags,
-        num_warps=warps, **launch,
+        PREFETCH_STATE=STATE_PREFETCH_BEFORE_WAIT and launch["PDL"], num_warps=warps, **launch,
     )
     if conv_state is not None:
         BD, warps = conv_config(dims.conv_dim)

@@ -63,6 +63,21 @@ def prefetch_to_l2(ptrs, ENABLED: tl.constexpr):
 
 
 @triton.jit
+def prefetch_state_rows(head_base, stride_s_blk, index_at, num_blocks, rows, stride_s_v,
+                        stride_s_k, K: tl.constexpr, BK: tl.constexpr):
+    """Before wait_for_previous_kernel: asks the L2 for `rows` (in range) of the
+    state block whose index is at `index_at`. A kernel before this one may be
+    writing that index: a stale value costs a prefetch of the wrong lines,
+    never a wrong value, and clamped into [0, num_blocks) it stays inside the
+    state."""
+    if num_blocks > 0:
+        block = tl.minimum(tl.maximum(tl.load(index_at).to(tl.int64), 0), num_blocks - 1)
+        keys = tl.minimum(tl.arange(0, BK // 32) * 32, K - 1)
+        prefetch_to_l2(head_base + block * stride_s_blk + rows[:, None] * stride_s_v
+                       + keys[None, :] * stride_s_k, True)
+
+
+@triton.jit
 def kda_gate(raw_g, dt_bias, A, lower_bound, USE_LOWER_BOUND: tl.constexpr):
     """Per-channel log decay (<= 0) from the raw gate, SPEC §1."""
     x = raw_g + dt_bias

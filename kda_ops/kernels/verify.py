@@ -42,7 +42,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import wrap_triton
 
 from .common import (block_is_valid, dependent_launch, link_tokens, live_range, load_window,
-                     prefetch_to_l2, wait_for_previous_kernel, window_vectors)
+                     prefetch_state_rows, wait_for_previous_kernel, window_vectors)
 from .verify_tensor_cores import _tensor_core_verify_kernel, _window_terms_kernel, tensor_core_tile
 
 
@@ -74,16 +74,10 @@ def _verify_kernel(
     b = tl.program_id(1)
     h = tl.program_id(2)
     if PREFETCH_STATE:
-        # Before the wait the index may be stale (a kernel before this one may
-        # be writing it): that costs a prefetch of the wrong lines, never a
-        # wrong value, and clamped it stays inside `state`.
-        guess = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
-        if num_blocks > 0:
-            guess = tl.minimum(tl.maximum(guess, 0), num_blocks - 1)
-            rows = tl.minimum(first_tile * BV + tl.arange(0, V_TILES * BV), V - 1)
-            line_keys = tl.minimum(tl.arange(0, BK // 32) * 32, K - 1)
-            prefetch_to_l2(state_ptr + guess * stride_s_blk + h * stride_s_head
-                           + rows[:, None] * stride_s_v + line_keys[None, :] * stride_s_k, True)
+        prefetch_state_rows(state_ptr + h * stride_s_head, stride_s_blk,
+                            state_indices_ptr + b * stride_state_indices, num_blocks,
+                            tl.minimum(first_tile * BV + tl.arange(0, V_TILES * BV), V - 1),
+                            stride_s_v, stride_s_k, K, BK)
     wait_for_previous_kernel(PDL)
     # Inductor passes Python floats as fp64 scalars; the arithmetic is fp32.
     lower_bound = tl.cast(lower_bound, tl.float32)
