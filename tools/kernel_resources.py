@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the kda_ops kernels on sm_90, offline.
 
-    python tools/kernel_resources.py [--spec-lens 2,4,8] [--ttgir DIR]
+    python tools/kernel_resources.py [--spec-lens 2,4,8] [--ttgir DIR] [--sass]
         [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS]
         [--commit-config BV,WARPS,RECORD_STAGES]
 
@@ -11,7 +11,10 @@ configuration the package uses, and prints what `ptxas -v` reports. Unit
 strides are specialised to 1 and pointers and other strides marked
 16-divisible, as at a real launch, so the layouts match what the GPU runs. A
 quick check before spending device time: spills or a register count that
-halves occupancy show up here. Written against Triton 3.9 (the CPU machine's).
+halves occupancy show up here. With --sass it also counts the SASS
+instructions of each kernel (nvdisasm) and the size of every loop body (a
+backward branch), from which the instructions a warp issues follow once the
+loops' trip counts are known. Written against Triton 3.9 (the CPU machine's).
 The device's Triton 3.6 can choose other layouts (3-D tiles:
 docs/performance.md, 2026-12-03); to see its code, run this tool from an
 environment made with `pip install 'torch==2.13.0' 'triton==3.6.0'`, with
@@ -63,10 +66,40 @@ def ptxas():
     return os.path.join(bin_dir, names[-1])
 
 
+def sass_summary(cubin):
+    """(instructions, [loop body sizes]) of a cubin's SASS."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        listing = subprocess.run([os.path.join(os.path.dirname(ptxas()), "nvdisasm"), "-c",
+                                  f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    count, labels, branches = 0, {}, []
+    for line in listing.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = count
+        instruction = re.match(r"\s*/\*[0-9a-f]+\*/\s*(.*?);", line)
+        if instruction:
+            target = re.search(r"BRA\s.*?(\.L_x_\d+)", instruction.group(1))
+            if target:
+                branches.append((count, target.group(1)))
+            count += 1
+    # A branch back to its own address is the trap after EXIT, not a loop.
+    loops = [at - labels[target] + 1 for at, target in branches
+             if target in labels and labels[target] < at]
+    return count, loops
+
+
 def compile_report(kernel, constexprs, num_warps, ttgir_path=None):
     names = kernel.arg_names
     # Plain launches, as from B = 8 (common.PROGRAMMATIC_LAUNCH_BELOW_BATCH).
     constexprs = dict(constexprs, PDL=False, **{n: 1 for n in names if n in UNIT_STRIDES})
+    # An unset constexpr would compile as a runtime argument: another kernel.
+    missing = [names[i] for i in kernel.constexprs if names[i] not in constexprs]
+    if missing:
+        raise ValueError(f"{kernel.__name__}: no value for constexpr {', '.join(missing)}")
     signature = {n: "constexpr" if n in constexprs else arg_type(n) for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))
@@ -87,14 +120,17 @@ def compile_report(kernel, constexprs, num_warps, ttgir_path=None):
         os.unlink(f.name)
     registers = re.search(r"Used (\d+) registers", result.stderr)
     spills = re.search(r"(\d+) bytes spill stores", result.stderr)
+    instructions, loops = sass_summary(compiled.asm["cubin"])
     return dict(registers=int(registers.group(1)), spill_store_bytes=int(spills.group(1)),
-                shared_bytes=compiled.metadata.shared)
+                shared_bytes=compiled.metadata.shared, instructions=instructions, loops=loops)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec-lens", default="2,4,8")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
+    parser.add_argument("--sass", action="store_true",
+                        help="also SASS instructions per warp and loop body sizes")
     parser.add_argument("--verify-config", default=None,
                         help="BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS of "
                              "verify instead of the package's (which is taken at B = 128)")
@@ -145,8 +181,12 @@ def main(argv=None):
         for name, (kernel, constexprs, warps) in cases.items():
             ttgir = os.path.join(args.ttgir, f"{name}_T{T}.ttgir") if args.ttgir else None
             report = compile_report(kernel, constexprs, warps, ttgir)
-            print(f"{name:13s} T={T} warps={warps}: {report['registers']} registers, "
-                  f"{report['spill_store_bytes']} B spilled, {report['shared_bytes']} B shared")
+            line = (f"{name:13s} T={T} warps={warps}: {report['registers']} registers, "
+                    f"{report['spill_store_bytes']} B spilled, {report['shared_bytes']} B shared")
+            if args.sass:
+                line += (f", {report['instructions']} SASS instructions per warp, loop bodies "
+                         f"{report['loops'] or 'none'}")
+            print(line)
 
 
 if __name__ == "__main__":
