@@ -164,7 +164,8 @@ def main(argv=None):
                                 V_TILES=verify.v_tiles, UNROLL_TOKENS=bool(verify.unroll_tokens),
                                 CLOSED_FORM=bool(verify.closed_form),
                                 TENSOR_CORES=bool(verify.tensor_cores), NP=max(16, 2 * BT),
-                                STAGES=verify.stages),
+                                STAGES=verify.stages,
+                                PREFETCH_STATE=verify_kernels.STATE_PREFETCH_BEFORE_WAIT),
                            verify.num_warps),
             }
         conv_bd, conv_warps = conv_kernels.conv_config(32 * 3 * K)
@@ -172,7 +173,8 @@ def main(argv=None):
             "commit_state": (commit_kernels._commit_state_kernel,
                              dict(K=K, V=V, BK=K, BV=commit_bv, NUM_HEADS=32, SPEC_LEN=T,
                                   USE_LOWER_BOUND=True, HAS_REQUEST_INDICES=False, ALIGN=False,
-                                  RECORD_STAGES=commit_stages),
+                                  RECORD_STAGES=commit_stages,
+                                  PREFETCH_STATE=commit_kernels.STATE_PREFETCH_BEFORE_WAIT),
                              commit_warps),
             "conv_update": (conv_kernels._conv_update_kernel,
                             dict(WIDTH=4, SPEC_LEN=T, BD=conv_bd, HAS_BIAS=True, SILU=True),
