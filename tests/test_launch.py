@@ -95,13 +95,16 @@ RESULTS = ("conv_out", "out", "state", "conv_state", "correction", "key_gate")
 
 
 @requires_cuda
-@pytest.mark.parametrize("separate_terms", [False, True])
-def test_dependent_launch_chain_is_exact(separate_terms, monkeypatch):
+@pytest.mark.parametrize("separate_terms, prefetch", [(False, False), (True, False),
+                                                      (False, True)])
+def test_dependent_launch_chain_is_exact(separate_terms, prefetch, monkeypatch):
     """The chain with plain launches, then with programmatic dependent launch
     eagerly and replayed from a CUDA graph: every output and buffer bitwise
-    equal. separate_terms puts verify's two-kernel form in the chain."""
+    equal. separate_terms puts verify's two-kernel form in the chain; prefetch
+    has verify ask the L2 for its state before its wait (the default)."""
     if separate_terms:
         monkeypatch.setattr(verify_kernels, "SEPARATE_TERMS_FROM_HEADS", 1)
+    monkeypatch.setattr(verify_kernels, "STATE_PREFETCH_BEFORE_WAIT", prefetch)
     monkeypatch.setattr(common, "PROGRAMMATIC_LAUNCH", False)
     plain = make_chain("cuda")
     run_chain(plain)

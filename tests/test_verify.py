@@ -203,8 +203,8 @@ def test_verify_tensor_cores(device, T, heads, lower_bound, decay_shift, K, V, m
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("link_on_tensor_cores, cheap_split", [(False, False), (True, False),
-                                                               (True, True)])
+@pytest.mark.parametrize("link_on_tensor_cores, cheap_split", [(False, False), (False, True),
+                                                               (True, False), (True, True)])
 @pytest.mark.parametrize("T, lower_bound, decay_shift, K, V", [
     (4, -5.0, 0.0, 16, 40), (5, None, 0.0, 16, 40), (8, None, 4.0, 16, 40),
     (8, -100.0, 4.0, 72, 72)])
@@ -218,7 +218,8 @@ def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, link_o
     index. Four heads take the form by lowering its threshold (768 pairs at
     the real one)."""
     monkeypatch.setattr(verify_kernels, "SEPARATE_TERMS_FROM_HEADS", 1)
-    monkeypatch.setattr(verify_kernels, "LINK_ON_TENSOR_CORES", link_on_tensor_cores)
+    monkeypatch.setattr(verify_kernels, "LINK_ON_TENSOR_CORES_FROM_LEN",
+                        0 if link_on_tensor_cores else T + 1)
     monkeypatch.setattr(verify_kernels, "CHEAP_TF32_SPLIT", cheap_split)
     lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
     config = verify_config(K, V, len(lens) * 4, T)

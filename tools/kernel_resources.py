@@ -137,8 +137,6 @@ def main(argv=None):
     parser.add_argument("--verify-config", default=None,
                         help="BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS of "
                              "verify instead of the package's (which is taken at B = 128)")
-    parser.add_argument("--link-on-tensor-cores", action="store_true",
-                        help="the two-kernel verify with verify.LINK_ON_TENSOR_CORES")
     parser.add_argument("--commit-config", default=None,
                         help="BV,WARPS,RECORD_STAGES of the commit fold instead of the package's")
     args = parser.parse_args(argv)
@@ -151,15 +149,16 @@ def main(argv=None):
                   if args.verify_config else verify_kernels.verify_config(K, V, 128 * 32, T))
         BT = triton.next_power_of_2(T)
         if verify.separate_terms:
+            link = T >= verify_kernels.LINK_ON_TENSOR_CORES_FROM_LEN
             cases = {
                 "window_terms": (tensor_core_kernels._window_terms_kernel,
                                  dict(K=K, BK=K, SPEC_LEN=T, BT=BT, USE_LOWER_BOUND=True,
-                                      LINK_MATRIX=args.link_on_tensor_cores),
+                                      LINK_MATRIX=link),
                                  verify_kernels.WINDOW_TERMS_WARPS),
                 "verify_tc": (tensor_core_kernels._tensor_core_verify_kernel,
                               dict(K=K, V=V, BK=K, BV=verify.block_v, SPEC_LEN=T, BT=BT,
                                    NP=max(16, 2 * BT), KEY_CHUNK=verify.key_chunk,
-                                   STAGES=verify.stages, LINK_MATRIX=args.link_on_tensor_cores,
+                                   STAGES=verify.stages, LINK_MATRIX=link,
                                    CHEAP_SPLIT=verify_kernels.CHEAP_TF32_SPLIT),
                               verify.num_warps),
             }
@@ -171,7 +170,8 @@ def main(argv=None):
                                 V_TILES=verify.v_tiles, UNROLL_TOKENS=bool(verify.unroll_tokens),
                                 CLOSED_FORM=bool(verify.closed_form),
                                 TENSOR_CORES=bool(verify.tensor_cores), NP=max(16, 2 * BT),
-                                STAGES=verify.stages),
+                                STAGES=verify.stages,
+                                PREFETCH_STATE=False),  # no PDL at this batch
                            verify.num_warps),
             }
         conv_bd, conv_warps = conv_kernels.conv_config(32 * 3 * K)

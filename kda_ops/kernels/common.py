@@ -42,10 +42,39 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
     waits until the previous kernel has finished and its writes are visible,
     then lets the next one start launching. Every program waits, so a kernel
     never finishes before the one it follows, and a kernel two back is always
-    done: no load may move above this."""
+    done: no load may move above this, except one whose value only picks the
+    lines of a prefetch_to_l2 (a stale value then wastes a prefetch)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_to_l2(ptrs):
+    """Asks the L2 for the lines at `ptrs` (one pointer per line is enough,
+    each must address memory of a kernel argument): a hint that returns no
+    data and holds no register, so a program can start a tile's DRAM traffic
+    before it can use the tile. The L2 is where global memory is coherent, so
+    a later load can never read stale data through it. Inline PTX: GPU only
+    (Triton's interpreter runs none; only programmatic launches call this)."""
+    # One line: Inductor copies this source into a string, where "\n" broke it.
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                              [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_state_rows(head_base, stride_s_blk, index_at, num_blocks, rows, stride_s_v,
+                        stride_s_k, K: tl.constexpr, BK: tl.constexpr):
+    """Before wait_for_previous_kernel: asks the L2 for `rows` (in range) of the
+    state block whose index is at `index_at`. A kernel before this one may be
+    writing that index: a stale value costs a prefetch of the wrong lines,
+    never a wrong value, and clamped into [0, num_blocks) it stays inside the
+    state."""
+    if num_blocks > 0:
+        block = tl.minimum(tl.maximum(tl.load(index_at).to(tl.int64), 0), num_blocks - 1)
+        keys = tl.minimum(tl.arange(0, BK // 32) * 32, K - 1)
+        prefetch_to_l2(head_base + block * stride_s_blk + rows[:, None] * stride_s_v
+                       + keys[None, :] * stride_s_k)
 
 
 @triton.jit

@@ -42,7 +42,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import wrap_triton
 
 from .common import (block_is_valid, dependent_launch, link_tokens, live_range, load_window,
-                     wait_for_previous_kernel, window_vectors)
+                     prefetch_state_rows, wait_for_previous_kernel, window_vectors)
 from .verify_tensor_cores import _tensor_core_verify_kernel, _window_terms_kernel, tensor_core_tile
 
 
@@ -67,16 +67,21 @@ def _verify_kernel(
     SPEC_LEN: tl.constexpr, BT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr, UNROLL_TOKENS: tl.constexpr,
     CLOSED_FORM: tl.constexpr, TENSOR_CORES: tl.constexpr, NP: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PREFETCH_STATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    first_tile = tl.program_id(0) * V_TILES
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    if PREFETCH_STATE:
+        prefetch_state_rows(state_ptr + h * stride_s_head, stride_s_blk,
+                            state_indices_ptr + b * stride_state_indices, num_blocks,
+                            tl.minimum(first_tile * BV + tl.arange(0, V_TILES * BV), V - 1),
+                            stride_s_v, stride_s_k, K, BK)
     wait_for_previous_kernel(PDL)
     # Inductor passes Python floats as fp64 scalars; the arithmetic is fp32.
     lower_bound = tl.cast(lower_bound, tl.float32)
     scale = tl.cast(scale, tl.float32)
-    first_tile = tl.program_id(0) * V_TILES
-    b = tl.program_id(1)
-    h = tl.program_id(2)
 
     bos = tl.load(query_start_ptr + b * stride_query_start).to(tl.int64)
     eos = tl.load(query_start_ptr + (b + 1) * stride_query_start).to(tl.int64)
@@ -394,14 +399,22 @@ SEPARATE_TERMS_FROM_HEADS = 768
 SEPARATE_TERMS_BLOCK_V = 64
 SEPARATE_TERMS_WARPS = 4
 WINDOW_TERMS_WARPS = 1  # see verify_tensor_cores._coupling
-# Experiment (not timed): the two-kernel form links the tokens in one more
-# tensor-core product (verify_tensor_cores.link_on_tensor_cores) instead of
-# token by token.
-LINK_ON_TENSOR_CORES = False
-# Experiment (not timed): the two-kernel form's state products split their
-# operands into TF32 parts by verify_tensor_cores.split_tf32 instead of
-# Triton's tf32x3.
-CHEAP_TF32_SPLIT = False
+# The two-kernel form links the tokens in one more tensor-core product
+# (verify_tensor_cores.link_on_tensor_cores) from 5 tokens (the code of BT = 8)
+# and token by token below. On an H200 (twenty-first session) the product was
+# 7-10% faster at T = 8 (B = 32, 64, 256) and even to 2% slower at T = 4.
+LINK_ON_TENSOR_CORES_FROM_LEN = 5
+# The two-kernel form's state products split their operands into TF32 parts
+# by verify_tensor_cores.split_tf32 (an integer add and a mask) instead of
+# Triton's tf32x3: 1-4% faster at T = 4 (B = 32 to 256) and with the link
+# product at T = 8. The one-kernel tensor-core form keeps tf32x3 (not timed
+# with the split).
+CHEAP_TF32_SPLIT = True
+# A verify kernel launched programmatically (below
+# common.PROGRAMMATIC_LAUNCH_BELOW_BATCH requests) asks the L2 for its state
+# tile before its wait (common.prefetch_state_rows): at B = 1 verify + commit
+# took 79 / 82 / 131 against 87 / 87 / 134 us at T = 2 / 4 / 8.
+STATE_PREFETCH_BEFORE_WAIT = True
 
 
 class VerifyConfig(NamedTuple):
@@ -458,6 +471,7 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     scalars = (dims.num_blocks, float(lower_bound or 0.0), float(scale))
     launch = dependent_launch(q, dims.batch)
     if config.separate_terms:
+        link = dims.spec_len >= LINK_ON_TENSOR_CORES_FROM_LEN
         # Per (request, head): E k and E q of every token, and the couplings.
         terms = torch.empty((dims.batch, num_heads, 2 * BT, BK), device=q.device,
                             dtype=torch.float32)
@@ -469,14 +483,14 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
             A_log.stride(0), *dt_strides, *key_gate.stride(),
             query_start_loc.stride(0), state_indices.stride(0),
             K=K, BK=BK, SPEC_LEN=dims.spec_len, BT=BT, USE_LOWER_BOUND=lower_bound is not None,
-            LINK_MATRIX=LINK_ON_TENSOR_CORES, num_warps=WINDOW_TERMS_WARPS, **launch,
+            LINK_MATRIX=link, num_warps=WINDOW_TERMS_WARPS, **launch,
         )
         wrap_triton(_tensor_core_verify_kernel)[(triton.cdiv(V, BV), dims.batch, num_heads)](
             v, beta, state, correction, out, terms, coupling, *index_args, dims.num_blocks,
             *_token_strides(v), *beta.stride()[-2:], *state.stride(), *correction.stride(),
             *_token_strides(out), query_start_loc.stride(0), state_indices.stride(0),
             K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT, NP=max(16, 2 * BT),
-            KEY_CHUNK=config.key_chunk, STAGES=config.stages, LINK_MATRIX=LINK_ON_TENSOR_CORES,
+            KEY_CHUNK=config.key_chunk, STAGES=config.stages, LINK_MATRIX=link,
             CHEAP_SPLIT=CHEAP_TF32_SPLIT,
             num_warps=config.num_warps, **launch,
         )
@@ -500,5 +514,6 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         USE_LOWER_BOUND=lower_bound is not None, KEY_CHUNK=config.key_chunk, V_TILES=v_tiles,
         UNROLL_TOKENS=config.unroll_tokens, CLOSED_FORM=closed,
         TENSOR_CORES=config.tensor_cores, NP=max(16, 2 * BT), STAGES=config.stages,
+        PREFETCH_STATE=STATE_PREFETCH_BEFORE_WAIT and launch["PDL"],
         num_warps=config.num_warps, **launch,
     )
