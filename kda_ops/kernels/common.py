@@ -57,7 +57,8 @@ def prefetch_to_l2(ptrs):
     before it can use the tile. The L2 is where global memory is coherent, so
     a later load can never read stale data through it. Inline PTX: GPU only
     (Triton's interpreter runs none; only programmatic launches call this)."""
-    # One line: Inductor copies this source into a string, where "\n" broke it.
+    # No backslash anywhere in a kernel's source: Inductor copies it into a
+    # string literal, where an escape such as a newline broke the module.
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
                               [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
@@ -72,7 +73,7 @@ def prefetch_state_rows(head_base, stride_s_blk, index_at, num_blocks, rows, str
     state."""
     if num_blocks > 0:
         block = tl.minimum(tl.maximum(tl.load(index_at).to(tl.int64), 0), num_blocks - 1)
-        keys = tl.minimum(tl.arange(0, BK // 32) * 32, K - 1)
+        keys = tl.minimum(tl.arange(0, (BK + 31) // 32) * 32, K - 1)  # a 128-byte line each
         prefetch_to_l2(head_base + block * stride_s_blk + rows[:, None] * stride_s_v
                        + keys[None, :] * stride_s_k)
 
