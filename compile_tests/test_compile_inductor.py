@@ -147,3 +147,25 @@ def test_kernel_writes_match_declared_mutations(device, case, caplog):
     assert inferred == declared, f"per kernel: {writes}; declared: {sorted(declared)}"
     for kernel, written in writes:
         assert written, f"{kernel}: no written argument found"
+
+
+def test_kernel_sources_have_no_backslash():
+    """Inductor writes each Triton kernel's source, with the jit functions it
+    calls, into a string literal of its output code, where a backslash escape
+    (in a PTX string or even in a comment) turns into a character that breaks
+    that code: every compiled verify with an L2 prefetch failed to import on
+    the H200 until the escape was gone."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import kda_ops.kernels
+    functions = 0
+    for info in pkgutil.iter_modules(kda_ops.kernels.__path__):
+        module = importlib.import_module(f"kda_ops.kernels.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, triton.runtime.jit.JITFunction):
+                functions += 1
+                assert "\\" not in value.src, f"a backslash in {module.__name__}.{name}"
+    assert functions > 20, "the kernels' jit functions were not found"
