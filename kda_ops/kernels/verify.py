@@ -401,19 +401,20 @@ SEPARATE_TERMS_WARPS = 4
 WINDOW_TERMS_WARPS = 1  # see verify_tensor_cores._coupling
 # The two-kernel form links the tokens in one more tensor-core product
 # (verify_tensor_cores.link_on_tensor_cores) from 5 tokens (the code of BT = 8)
-# and token by token below. On an H200 (twenty-first session) the product was
-# 7-10% faster at T = 8 (B = 32, 64, 256) and even to 2% slower at T = 4.
+# and token by token below. On an H200 (twenty-first session, B = 32, 64,
+# 256; both with the split below) it was 6-7% faster than token links at
+# T = 6, 8-10% at T = 8, and 1-3% slower at T = 4; T = 5 and 7 not timed.
 LINK_ON_TENSOR_CORES_FROM_LEN = 5
 # The two-kernel form's state products split their operands into TF32 parts
 # by verify_tensor_cores.split_tf32 (an integer add and a mask) instead of
-# Triton's tf32x3: 1-4% faster at T = 4 (B = 32 to 256) and with the link
-# product at T = 8. The one-kernel tensor-core form keeps tf32x3 (not timed
-# with the split).
+# Triton's tf32x3: 1-5% faster at T = 4 (B = 32 to 256); at T = 6 and 8 only
+# with the link product (without it 2-3% slower). The one-kernel tensor-core
+# form keeps tf32x3 (not timed with the split).
 CHEAP_TF32_SPLIT = True
 # A verify kernel launched programmatically (below
 # common.PROGRAMMATIC_LAUNCH_BELOW_BATCH requests) asks the L2 for its state
-# tile before its wait (common.prefetch_state_rows): at B = 1 verify + commit
-# took 79 / 82 / 131 against 87 / 87 / 134 us at T = 2 / 4 / 8.
+# tile before its wait (common.prefetch_state_rows): at B = 1, 16 verifies +
+# commit took 79 / 82 / 131 against 87 / 87 / 134 us at T = 2 / 4 / 8.
 STATE_PREFETCH_BEFORE_WAIT = True
 
 
