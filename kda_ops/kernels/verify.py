@@ -35,7 +35,7 @@ by an integer add and a mask, and from five tokens the tokens are linked by
 one more tensor-core product: 7-11% faster again at T = 8 from B = 32, 1-6%
 at T = 4. Below 8 requests, where kernels launch programmatically, each
 program asks the L2 for its state tile before waiting on the previous kernel:
-16 verifies + commit 3-10% faster at B = 1.
+16 verifies + commit 2-10% faster at B = 1.
 """
 
 from typing import NamedTuple
