@@ -478,7 +478,8 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     launch = dependent_launch(q, dims.batch)
     if config.separate_terms:
         link = dims.spec_len >= LINK_ON_TENSOR_CORES_FROM_LEN
-        # Per (request, head): E k and E q of every token, and the couplings.
+        # Per (request, head): E k and E q of every token, and the couplings (or,
+        # with `link`, the link matrices: the same size).
         terms = torch.empty((dims.batch, num_heads, 2 * BT, BK), device=q.device,
                             dtype=torch.float32)
         coupling = torch.empty((dims.batch, num_heads, 2 * BT * BT), device=q.device,
