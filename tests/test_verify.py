@@ -217,8 +217,8 @@ def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, link_o
     and one of padding only; the null block, a negative and an out-of-range
     index. Four heads take the form by lowering its threshold (768 pairs at
     the real one); each case with the tokens linked token by token and on
-    tensor cores, and with either 3xTF32 split (on a GPU only: the
-    interpreter computes TF32 products in fp32)."""
+    tensor cores, and with either 3xTF32 split (whose rounding matters only
+    on a GPU: the interpreter computes TF32 products in fp32)."""
     monkeypatch.setattr(verify_kernels, "SEPARATE_TERMS_FROM_HEADS", 1)
     monkeypatch.setattr(verify_kernels, "LINK_ON_TENSOR_CORES_FROM_LEN",
                         0 if link_on_tensor_cores else T + 1)
