@@ -6,11 +6,16 @@ mutations (an argument missed here would make torch.compile drop or reorder
 the write; an extra one copies inputs and blocks CUDA graphs)."""
 
 import contextlib
+import importlib
 import logging
+import pkgutil
 
 import pytest
 import torch
+import triton
 from torch._dynamo.testing import CompileCounterWithBackend
+
+import kda_ops.kernels
 
 from compile_helpers import (DEVICES, LAYER_COUNTS, NOT_UNDER_INTERPRETER,
                              assert_caches_close, assert_close,
@@ -155,12 +160,6 @@ def test_kernel_sources_have_no_backslash():
     (in a PTX string or even in a comment) turns into a character that breaks
     that code: every compiled verify with an L2 prefetch failed to import on
     the H200 until the escape was gone."""
-    import importlib
-    import pkgutil
-
-    import triton
-
-    import kda_ops.kernels
     functions = 0
     for info in pkgutil.iter_modules(kda_ops.kernels.__path__):
         module = importlib.import_module(f"kda_ops.kernels.{info.name}")

@@ -202,7 +202,8 @@ def _verify_kernel(
                 outs, corrections = tensor_core_tile(
                     state_head, term_cols, outs, corrections, processed, steps, coupling_at,
                     v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
-                    stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES, False)
+                    stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES,
+                    CHEAP_SPLIT=False)
             elif CLOSED_FORM:
                 outs, corrections = _closed_form_tile(
                     state, outs, corrections, processed, steps, vec_base, slot_keys,
