@@ -285,21 +285,46 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def _int_list(text):
+    items = text.split(",")
+    if not all(item.isdigit() and int(item) > 0 for item in items):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return [int(item) for item in items]
+
+
+def _op_list(text):
+    ops = text.split(",")
+    unknown = [op for op in ops if op not in SETUPS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown ops {unknown}; choose from {', '.join(SETUPS)}")
+    return ops
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="kda_ops benchmark (CUDA)")
-    parser.add_argument("--ops", default="verify,commit,conv_update,verify_commit,step")
-    parser.add_argument("--batches", default="1,8,32,64,128,256")
-    parser.add_argument("--spec-lens", default="2,4,8")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--json", default="bench.json")
-    parser.add_argument("--plot", default=None)
+    parser = argparse.ArgumentParser(
+        description="kda_ops benchmark (CUDA): time per call and effective bandwidth as a "
+                    "fraction of the device-to-device copy bandwidth measured in the same run")
+    parser.add_argument("--ops", type=_op_list, default="verify,commit,conv_update,verify_commit,step",
+                        help="comma-separated ops to time, from: " + ", ".join(SETUPS)
+                             + " (default: all)")
+    parser.add_argument("--batches", type=_int_list, default="1,8,32,64,128,256",
+                        help="comma-separated numbers of requests (default: %(default)s)")
+    parser.add_argument("--spec-lens", type=_int_list, default="2,4,8",
+                        help="comma-separated window lengths T (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=16,
+                        help="layers for commit, verify_commit and step (default: %(default)s)")
+    parser.add_argument("--json", default="bench.json",
+                        help="where to write the rows and the run's GPU, versions and copy "
+                             "bandwidth (default: %(default)s)")
+    parser.add_argument("--plot", default=None,
+                        help="also draw fraction of copy against batch to this PNG "
+                             "(needs matplotlib: pip install 'kda_ops[plot]')")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kda_ops.bench needs a CUDA GPU")
     device = torch.device("cuda")
     torch.manual_seed(0)
-    copy_bw, rows = run(opts.ops.split(","), [int(b) for b in opts.batches.split(",")],
-                        [int(t) for t in opts.spec_lens.split(",")], opts.layers, device)
+    copy_bw, rows = run(opts.ops, opts.batches, opts.spec_lens, opts.layers, device)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, copy_bandwidth_gbs=copy_bw / 1e9)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {meta['gpu']} "

@@ -55,3 +55,15 @@ def test_model_step_bytes(state_dtype):
         ((shape.batch, shape.heads, 1, shape.value_dim), torch.float32),
         ((shape.batch, shape.heads, 1, 2 * shape.key_dim), shape.act_dtype))
     assert model.step_bytes(shape.batch, accepted=1) == fewer
+
+
+@pytest.mark.parametrize("argv, argument", [
+    (["--ops", "verify,unknown"], "--ops"),
+    (["--batches", "8,0"], "--batches"),
+    (["--spec-lens", "4,x"], "--spec-lens"),
+])
+def test_command_line_rejects_bad_lists_naming_the_argument(argv, argument, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {argument}" in capsys.readouterr().err
