@@ -285,11 +285,14 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def _positive_int(text):
+    if not (text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def _int_list(text):
-    items = text.split(",")
-    if not all(item.isdigit() and int(item) > 0 for item in items):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return [int(item) for item in items]
+    return [_positive_int(item) for item in text.split(",")]
 
 
 def _op_list(text):
@@ -304,14 +307,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description="kda_ops benchmark (CUDA): time per call and effective bandwidth as a "
                     "fraction of the device-to-device copy bandwidth measured in the same run")
-    parser.add_argument("--ops", type=_op_list, default="verify,commit,conv_update,verify_commit,step",
-                        help="comma-separated ops to time, from: " + ", ".join(SETUPS)
-                             + " (default: all)")
+    parser.add_argument("--ops", type=_op_list, default=",".join(SETUPS),
+                        help="comma-separated ops to time (default: %(default)s)")
     parser.add_argument("--batches", type=_int_list, default="1,8,32,64,128,256",
                         help="comma-separated numbers of requests (default: %(default)s)")
     parser.add_argument("--spec-lens", type=_int_list, default="2,4,8",
                         help="comma-separated window lengths T (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=16,
+    parser.add_argument("--layers", type=_positive_int, default=16,
                         help="layers for commit, verify_commit and step (default: %(default)s)")
     parser.add_argument("--json", default="bench.json",
                         help="where to write the rows and the run's GPU, versions and copy "

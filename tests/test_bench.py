@@ -61,8 +61,9 @@ def test_model_step_bytes(state_dtype):
     (["--ops", "verify,unknown"], "--ops"),
     (["--batches", "8,0"], "--batches"),
     (["--spec-lens", "4,x"], "--spec-lens"),
+    (["--layers", "0"], "--layers"),
 ])
-def test_command_line_rejects_bad_lists_naming_the_argument(argv, argument, capsys):
+def test_command_line_rejects_bad_values_naming_the_argument(argv, argument, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(argv)
     assert exit_info.value.code == 2
