@@ -3,6 +3,7 @@
     python -m kda_ops.bench [--ops verify,commit,conv_update,verify_commit,step]
                             [--batches 1,8,32,...]
                             [--spec-lens 2,4,8] [--layers 16] [--json out.json] [--plot out.png]
+    python -m kda_ops.bench --table out.json [more.json ...]
 
 Ops: verify and conv_update (one layer), commit (all layers), verify_commit
 (every layer's verify, then the commit), step (every layer's conv_update +
@@ -13,7 +14,8 @@ effective bandwidth as a fraction of the device-to-device copy bandwidth
 measured in the same run. Inputs rotate over up to 64 index sets, so that the
 state blocks (conv_update: history blocks) touched reach ROTATION_BYTES, about
 8x the L2 cache, where 64 sets allow it; docs/performance.md names the small
-batches where they do not.
+batches where they do not. `--table` prints saved runs as a markdown table
+(no GPU needed): docs/performance.md's current numbers are that output.
 """
 
 import argparse
@@ -285,6 +287,37 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+# Ops timed over every layer, whose target is a time over their bytes-over-bandwidth floor.
+WHOLE_STEP_OPS = ("verify_commit", "step")
+
+
+def _cell(row):
+    us = row["time_us"]
+    text = f"{us:.1f} µs" if us < 1000 else f"{us:.0f} µs"
+    text += f" ({row['fraction_of_copy']:.0%}"
+    if row["op"] in WHOLE_STEP_OPS:
+        text += f", {1 / row['fraction_of_copy']:.2f}× floor"
+    return text + ")"
+
+
+def markdown_table(runs):
+    """Saved runs (the dicts `--json` writes) as markdown: one line per run
+    naming its GPU, versions and copy bandwidth, then a row per op and window
+    length with each batch's time and fraction of copy."""
+    headers = dict.fromkeys(f"{run['meta']['gpu']}, torch {run['meta']['torch']}, "
+                            f"Triton {run['meta']['triton']}, "
+                            f"copy {run['meta']['copy_bandwidth_gbs']:.0f} GB/s" for run in runs)
+    rows = [row for run in runs for row in run["rows"]]
+    batches = sorted({row["batch"] for row in rows})
+    lines = [*headers, "", "| op | T | " + " | ".join(f"B = {b}" for b in batches) + " |",
+             "|---|---|" + "---|" * len(batches)]
+    by_key = {(row["op"], row["spec_len"], row["batch"]): row for row in rows}
+    for op, T in dict.fromkeys((row["op"], row["spec_len"]) for row in rows):
+        cells = [_cell(by_key[op, T, b]) if (op, T, b) in by_key else "" for b in batches]
+        lines.append(f"| {op} | {T} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _positive_int(text):
     if not (text.isdigit() and int(text) > 0):
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -301,6 +334,18 @@ def _op_list(text):
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown ops {unknown}; choose from {', '.join(SETUPS)}")
     return ops
+
+
+def _saved_run(path):
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except (OSError, json.JSONDecodeError) as error:
+        raise argparse.ArgumentTypeError(f"cannot read a saved run from {path!r}: {error}")
+    if not (isinstance(run, dict) and {"meta", "rows"} <= run.keys()):
+        raise argparse.ArgumentTypeError(f"{path!r} is not a run written by --json "
+                                         "(expected keys 'meta' and 'rows')")
+    return run
 
 
 def main(argv=None):
@@ -321,7 +366,13 @@ def main(argv=None):
     parser.add_argument("--plot", default=None,
                         help="also draw fraction of copy against batch to this PNG "
                              "(needs matplotlib: pip install 'kda_ops[plot]')")
+    parser.add_argument("--table", nargs="+", type=_saved_run, metavar="JSON",
+                        help="print these saved runs as a markdown table and exit "
+                             "(no GPU needed)")
     opts = parser.parse_args(argv)
+    if opts.table:
+        print(markdown_table(opts.table))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("kda_ops.bench needs a CUDA GPU")
     device = torch.device("cuda")
@@ -331,10 +382,12 @@ def main(argv=None):
                 triton=triton.__version__, copy_bandwidth_gbs=copy_bw / 1e9)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {meta['gpu']} "
           f"(torch {meta['torch']}, triton {meta['triton']})")
+    shape = {name: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+             for name, value in dataclasses.asdict(Shape(0, 0)).items()}
+    saved = dict(meta=meta, rows=rows, shape=shape)
     with open(opts.json, "w") as f:
-        shape = {name: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
-                 for name, value in dataclasses.asdict(Shape(0, 0)).items()}
-        json.dump(dict(meta=meta, rows=rows, shape=shape), f, indent=1)
+        json.dump(saved, f, indent=1)
+    print(markdown_table([saved]))
     if opts.plot:
         plot(rows, opts.plot)
 

@@ -2,6 +2,9 @@
 and the bytes each op is divided by are the bytes of the tensors it must read
 and write once (docs/performance.md, Method), counted here from the tensors."""
 
+import json
+import pathlib
+
 import pytest
 import torch
 
@@ -68,3 +71,53 @@ def test_command_line_rejects_bad_values_naming_the_argument(argv, argument, cap
         bench.main(argv)
     assert exit_info.value.code == 2
     assert f"argument {argument}" in capsys.readouterr().err
+
+
+def saved_row(op, spec_len, batch, time_us, fraction):
+    return dict(op=op, spec_len=spec_len, batch=batch, time_us=time_us,
+                fraction_of_copy=fraction)
+
+
+META = dict(gpu="GPU X", torch="2.11.0", triton="3.6.0", copy_bandwidth_gbs=4000.4, note="a")
+
+
+def test_markdown_table_cells_and_gaps():
+    runs = [dict(meta=META, rows=[saved_row("verify", 4, 1, 3.25, 0.17),
+                                  saved_row("verify", 4, 32, 1234.5, 0.5)]),
+            dict(meta=META | {"note": "another run, same GPU and versions"},
+                 rows=[saved_row("step", 4, 32, 900.0, 0.8)])]
+    assert bench.markdown_table(runs).splitlines() == [
+        "GPU X, torch 2.11.0, Triton 3.6.0, copy 4000 GB/s",
+        "",
+        "| op | T | B = 1 | B = 32 |",
+        "|---|---|---|---|",
+        "| verify | 4 | 3.2 µs (17%) | 1234 µs (50%) |",
+        "| step | 4 |  | 900.0 µs (80%, 1.25× floor) |",
+    ]
+
+
+def test_markdown_table_names_each_distinct_run():
+    runs = [dict(meta=META, rows=[saved_row("commit", 2, 8, 10.0, 0.9)]),
+            dict(meta=META | {"copy_bandwidth_gbs": 3000.0}, rows=[])]
+    assert bench.markdown_table(runs).splitlines()[:2] == [
+        "GPU X, torch 2.11.0, Triton 3.6.0, copy 4000 GB/s",
+        "GPU X, torch 2.11.0, Triton 3.6.0, copy 3000 GB/s"]
+
+
+def test_table_rejects_a_file_that_is_not_a_saved_run(tmp_path, capsys):
+    not_a_run = tmp_path / "rows.json"
+    not_a_run.write_text("[]")
+    for path in (not_a_run, tmp_path / "missing.json"):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(["--table", str(path)])
+        assert exit_info.value.code == 2
+        assert "argument --table" in capsys.readouterr().err
+
+
+def test_performance_doc_shows_the_saved_h200_runs():
+    """docs/performance.md's current numbers are `--table` of the saved runs,
+    so they cannot drift from the JSON they come from."""
+    docs = pathlib.Path(__file__).resolve().parent.parent / "docs"
+    runs = [json.loads((docs / name).read_text())
+            for name in ("bench_h200.json", "bench_h200_step.json")]
+    assert bench.markdown_table(runs) in (docs / "performance.md").read_text()
