@@ -3,7 +3,7 @@
     python -m kda_ops.bench [--ops verify,commit,conv_update,verify_commit,step]
                             [--batches 1,8,32,...]
                             [--spec-lens 2,4,8] [--layers 16] [--json out.json] [--plot out.png]
-    python -m kda_ops.bench --table out.json [more.json ...]
+    python -m kda_ops.bench --table out.json [more.json ...] [--plot out.png]
 
 Ops: verify and conv_update (one layer), commit (all layers), verify_commit
 (every layer's verify, then the commit), step (every layer's conv_update +
@@ -364,7 +364,8 @@ def main(argv=None):
                         help="where to write the rows and the run's GPU, versions and copy "
                              "bandwidth (default: %(default)s)")
     parser.add_argument("--plot", default=None,
-                        help="also draw fraction of copy against batch to this PNG "
+                        help="also draw fraction of copy against batch to this PNG, for "
+                             "this run or, with --table, the saved runs "
                              "(needs matplotlib: pip install 'kda_ops[plot]')")
     parser.add_argument("--table", nargs="+", type=_saved_run, metavar="JSON",
                         help="print these saved runs as a markdown table and exit "
@@ -372,6 +373,8 @@ def main(argv=None):
     opts = parser.parse_args(argv)
     if opts.table:
         print(markdown_table(opts.table))
+        if opts.plot:
+            plot([row for run in opts.table for row in run["rows"]], opts.plot)
         return
     if not torch.cuda.is_available():
         raise SystemExit("kda_ops.bench needs a CUDA GPU")

@@ -121,3 +121,12 @@ def test_performance_doc_shows_the_saved_h200_runs():
     runs = [json.loads((docs / name).read_text())
             for name in ("bench_h200.json", "bench_h200_step.json")]
     assert bench.markdown_table(runs) in (docs / "performance.md").read_text()
+
+
+def test_plot_of_saved_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "saved.png"
+    docs = pathlib.Path(__file__).resolve().parent.parent / "docs"
+    bench.main(["--table", str(docs / "bench_h200.json"), str(docs / "bench_h200_step.json"),
+                "--plot", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
