@@ -124,7 +124,6 @@ def test_performance_doc_shows_the_saved_h200_runs():
 
 
 def test_plot_of_saved_runs(tmp_path):
-    pytest.importorskip("matplotlib")
     png = tmp_path / "saved.png"
     docs = pathlib.Path(__file__).resolve().parent.parent / "docs"
     bench.main(["--table", str(docs / "bench_h200.json"), str(docs / "bench_h200_step.json"),
