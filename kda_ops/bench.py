@@ -287,7 +287,8 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
-# Ops timed over every layer, whose target is a time over their bytes-over-bandwidth floor.
+# Ops that run a decode step's work (every layer, then the commit): the table
+# also gives their time over the bytes-over-bandwidth floor.
 WHOLE_STEP_OPS = ("verify_commit", "step")
 
 

@@ -11,6 +11,9 @@ import torch
 from kda_ops import bench
 from kda_ops.models import KDADecodeStep
 
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+SAVED_H200_RUNS = [DOCS / "bench_h200.json", DOCS / "bench_h200_step.json"]
+
 SHAPE = bench.Shape(batch=2, spec_len=3, layers=2, heads=2, key_dim=16, value_dim=8)
 
 
@@ -82,7 +85,7 @@ META = dict(gpu="GPU X", torch="2.11.0", triton="3.6.0", copy_bandwidth_gbs=4000
 
 
 def test_markdown_table_cells_and_gaps():
-    runs = [dict(meta=META, rows=[saved_row("verify", 4, 1, 3.25, 0.17),
+    runs = [dict(meta=META, rows=[saved_row("verify", 4, 1, 3.24, 0.17),
                                   saved_row("verify", 4, 32, 1234.5, 0.5)]),
             dict(meta=META | {"note": "another run, same GPU and versions"},
                  rows=[saved_row("step", 4, 32, 900.0, 0.8)])]
@@ -117,15 +120,11 @@ def test_table_rejects_a_file_that_is_not_a_saved_run(tmp_path, capsys):
 def test_performance_doc_shows_the_saved_h200_runs():
     """docs/performance.md's current numbers are `--table` of the saved runs,
     so they cannot drift from the JSON they come from."""
-    docs = pathlib.Path(__file__).resolve().parent.parent / "docs"
-    runs = [json.loads((docs / name).read_text())
-            for name in ("bench_h200.json", "bench_h200_step.json")]
-    assert bench.markdown_table(runs) in (docs / "performance.md").read_text()
+    runs = [json.loads(path.read_text()) for path in SAVED_H200_RUNS]
+    assert bench.markdown_table(runs) in (DOCS / "performance.md").read_text()
 
 
 def test_plot_of_saved_runs(tmp_path):
     png = tmp_path / "saved.png"
-    docs = pathlib.Path(__file__).resolve().parent.parent / "docs"
-    bench.main(["--table", str(docs / "bench_h200.json"), str(docs / "bench_h200_step.json"),
-                "--plot", str(png)])
+    bench.main(["--table", *map(str, SAVED_H200_RUNS), "--plot", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
