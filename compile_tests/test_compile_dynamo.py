@@ -136,3 +136,74 @@ def test_dynamo_graph_lists_every_op():
     assert kda_call_targets(graphs[0]) == [
         "kda_ops.conv_update.default", "kda_ops.verify.default",
         "kda_ops.conv_update.default", "kda_ops.verify.default", "kda_ops.commit.default"]
+
+
+def _cloned(args):
+    return {name: (a.clone() if isinstance(a, torch.Tensor) else a) for name, a in args.items()}
+
+
+def _permuted_dense(t):
+    """The same values in a dense layout whose first two dims are swapped in
+    memory: `empty_like` keeps that layout, so an allocated `out` is strided."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_out_compiles_fullgraph(device):
+    """A strided `out` (a column slice of a wider buffer, or allocated by the
+    public function like a permuted `v` / `x`) compiles with no graph break
+    and equals eager. Dynamo graph-breaks on any op given a non-contiguous
+    `out=` keyword, so the public functions pass `out` by position."""
+    problems = op_problems(device)
+    verify_args = {n: a for n, a in problems["verify"][1].items() if n != "out"}
+    conv_args = {n: a for n, a in problems["conv_update"][1].items() if n != "out"}
+
+    def verify_into_slice(args):
+        wide = torch.zeros(*args["v"].shape[:-1], 2 * args["v"].shape[-1], device=device)
+        kda_ops.verify(**args, out=wide[..., 1::2])
+        return wide
+
+    def verify_permuted_v(args):
+        return kda_ops.verify(**dict(args, v=_permuted_dense(args["v"])))
+
+    def conv_into_slice_permuted_x(args):
+        tokens, dim = args["x"].shape
+        wide = torch.zeros(tokens, 2 * dim, device=device)
+        kda_ops.conv_update(**dict(args, x=_permuted_dense(args["x"])), out=wide[:, dim:])
+        return wide
+
+    for fn, args in ((verify_into_slice, verify_args), (verify_permuted_v, verify_args),
+                     (conv_into_slice_permuted_x, conv_args)):
+        torch._dynamo.reset()
+        eager_args, compiled_args = _cloned(args), _cloned(args)
+        expected = fn(eager_args)
+        out = torch.compile(fn, backend="aot_eager", fullgraph=True)(compiled_args)
+        assert torch.equal(out, expected), fn.__name__
+        for name, value in eager_args.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(compiled_args[name], value), f"{fn.__name__}: {name}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_align_block_size_traced_as_symbol(device):
+    """`dynamic=True` traces the int `block_size` as a symbol: commit_plan and
+    commit in align mode take it, one graph serves block sizes 8 and 3, and
+    both equal eager."""
+    problems = op_problems(device)
+    plan_args = problems["commit_plan_align"][1]
+    commit_args = problems["commit_align_single_layer"][1]
+
+    def step(plan_args, commit_args, block_size):
+        plan = kda_ops.commit_plan(**dict(plan_args, block_size=block_size))
+        kda_ops.commit(**dict(commit_args, block_size=block_size))
+        return torch.stack(plan)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for block_size in (8, 3):
+        eager_commit, compiled_commit = _cloned(commit_args), _cloned(commit_args)
+        expected = step(plan_args, eager_commit, block_size)
+        assert torch.equal(compiled(plan_args, compiled_commit, block_size), expected)
+        for name in ("state", "conv_state"):
+            assert torch.equal(compiled_commit[name], eager_commit[name]), (block_size, name)
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles"

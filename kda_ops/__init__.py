@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import ops as _ops
-from ._validation import check_int_or_tensor
+from ._validation import check_int, check_int_or_tensor
 
 from .torch_impl import NULL_BLOCK
 
@@ -34,8 +34,10 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
     """
     if out is None:
         out = torch.empty_like(v)
+    # Positional: Dynamo graph-breaks on any op given a non-contiguous `out=`
+    # keyword (its rule for out= variants), and `out` may be a strided view.
     _ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                query_start_loc, state_indices, lower_bound=lower_bound, scale=scale, out=out)
+                query_start_loc, state_indices, lower_bound, scale, out)
     return out
 
 
@@ -48,6 +50,8 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
     """Folds each request's accepted prefix into its checkpoint, for every layer
     (buffers stacked `[num_layers, N, ...]`, or one layer's 4-D buffers), and
     compacts the convolution history (`conv_state=None` skips it). SPEC §2, §4."""
+    if block_size is not None:
+        check_int("block_size", block_size)
     _ops.commit(num_accepted_tokens, state_indices, query_start_loc, state=state,
                 conv_state=conv_state, correction=correction, key_gate=key_gate, A_log=A_log,
                 dt_bias=dt_bias, lower_bound=lower_bound, request_indices=request_indices,
@@ -63,6 +67,9 @@ def commit_plan(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_
     """Per request: (commit_lens, final_state_indices, boundary_state_indices,
     boundary_recovery_lens), int32 `[B]` each, by the formula of SPEC §4. This is
     what `commit` computes inline; it is exposed for engines and tests."""
+    check_int("spec_len", spec_len)
+    if block_size is not None:
+        check_int("block_size", block_size)
     return _ops.commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                             request_indices, block_table, num_computed_tokens, block_size)
 
@@ -82,8 +89,9 @@ def conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Te
     """
     if out is None:
         out = torch.empty_like(x)
+    # Positional, as in `verify`: a strided `out=` keyword makes Dynamo graph-break.
     _ops.conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
-                     activation=activation, out=out)
+                     activation, out)
     return out
 
 
@@ -98,6 +106,8 @@ def aligned_state_indices(block_table: Tensor, seq_lens: Tensor, block_size: int
     With `seq_lens = num_computed_tokens` this is where align mode keeps each
     request's checkpoint (SPEC §4: the block of its last folded token).
     """
+    check_int("block_size", block_size)
+    check_int("num_state_slots", num_state_slots)
     return _ops.aligned_state_indices(block_table, seq_lens, block_size, num_state_slots)
 
 

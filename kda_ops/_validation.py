@@ -129,6 +129,13 @@ def check_lower_bound(lower_bound):
         _fail("lower_bound", f"must be a negative float or None, got {lower_bound!r}")
 
 
+def _positive_int(name, value):
+    # The schema's int arguments arrive as ints (the dispatcher has already
+    # turned a bool into one and refused a float) or, traced, as SymInts.
+    if value < 1:
+        _fail(name, f"must be a positive int, got {value!r}")
+
+
 @dataclass(frozen=True)
 class PlanArgs:
     batch: int
@@ -141,8 +148,7 @@ def check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
     batch = _request_metadata(query_start_loc, state_indices, device)
     check_tensor("num_accepted_tokens", num_accepted_tokens, ndim=1, dtypes=INDEX_DTYPES,
                  device=device)
-    if not isinstance(spec_len, (int, torch.SymInt)) or spec_len < 1:
-        _fail("spec_len", f"must be a positive int, got {spec_len!r}")
+    _positive_int("spec_len", spec_len)
     if request_indices is not None:
         check_tensor("request_indices", request_indices, shape=(batch,), dtypes=INDEX_DTYPES,
                      device=device)
@@ -163,8 +169,7 @@ def check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
         rows = block_table.shape[0]
         check_tensor("num_computed_tokens", num_computed_tokens, shape=(rows,),
                      dtypes=INDEX_DTYPES, device=device)
-        if not isinstance(block_size, int) or block_size < 1:
-            _fail("block_size", f"must be a positive int, got {block_size!r}")
+        _positive_int("block_size", block_size)
     return PlanArgs(batch, align)
 
 
@@ -258,11 +263,6 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
     return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch)
 
 
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < 1:
-        _fail(name, f"must be a positive int, got {value!r}")
-
-
 def check_aligned_state_indices(block_table, seq_lens, block_size, num_state_slots):
     check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES)
     check_tensor("seq_lens", seq_lens, shape=(block_table.shape[0],), dtypes=INDEX_DTYPES,
@@ -299,19 +299,28 @@ def check_stage_spec_decode_metadata(state_indices, query_start_loc, num_accepte
         if num_spec_decodes.numel() != 1:
             _fail("num_spec_decodes", f"must hold one element, got shape "
                   f"{_shape(num_spec_decodes)}")
-    elif (isinstance(num_spec_decodes, bool)
-          or not isinstance(num_spec_decodes, (int, torch.SymInt))
-          or not 0 <= num_spec_decodes <= count_limit):
+    elif not 0 <= num_spec_decodes <= count_limit:  # an int or SymInt, as in _positive_int
         _fail("num_spec_decodes", f"must be an int in [0, {count_limit}] (at most the rows of "
               f"state_indices and of staged_state_indices) or a one-element tensor, "
               f"got {num_spec_decodes!r}")
     return count_limit
 
 
+def _is_int(value):
+    # A SymInt is what Dynamo passes for an int it traces as dynamic.
+    return not isinstance(value, bool) and isinstance(value, (int, torch.SymInt))
+
+
+def check_int(name, value):
+    """For the public functions' int arguments, checked before the op is
+    called: the dispatcher would turn a bool into an int and reject a float
+    with a RuntimeError."""
+    if not _is_int(value):
+        _fail(name, f"must be an int, got {value!r}")
+
+
 def check_int_or_tensor(name, value):
-    """For arguments that pick between an int schema and a tensor schema: the
-    dispatcher would turn a bool into an int and reject a float with a
-    RuntimeError."""
-    if not isinstance(value, torch.Tensor) and (
-            isinstance(value, bool) or not isinstance(value, (int, torch.SymInt))):
+    """As `check_int`, for arguments that pick between an int schema and a
+    tensor schema."""
+    if not isinstance(value, torch.Tensor) and not _is_int(value):
         _fail(name, f"must be an int or a one-element tensor, got {value!r}")

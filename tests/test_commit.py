@@ -239,9 +239,15 @@ BAD_COMMIT_INPUTS = [
         block_table=torch.ones(12, 4, dtype=torch.int32),
         num_computed_tokens=torch.zeros(11, dtype=torch.int32), block_size=4),
      "num_computed_tokens"),
-    ("align block_size", lambda a: a.update(
+    ("align block_size 0", lambda a: a.update(
         block_table=torch.ones(12, 4, dtype=torch.int32),
         num_computed_tokens=torch.zeros(12, dtype=torch.int32), block_size=0), "block_size"),
+    ("align block_size 4.0", lambda a: a.update(
+        block_table=torch.ones(12, 4, dtype=torch.int32),
+        num_computed_tokens=torch.zeros(12, dtype=torch.int32), block_size=4.0), "block_size"),
+    ("align block_size True", lambda a: a.update(
+        block_table=torch.ones(12, 4, dtype=torch.int32),
+        num_computed_tokens=torch.zeros(12, dtype=torch.int32), block_size=True), "block_size"),
     ("lower_bound", lambda a: a.update(lower_bound=1.0), "lower_bound"),
 ]
 
@@ -257,3 +263,17 @@ def test_commit_rejects_bad_input(case, mutate, name):
         kda_ops.commit(*pos, **a)
     for n, b in buffers.items():
         assert torch.equal(b, snapshot[n]), f"{n} written before validation failed"
+
+
+def test_commit_plan_rejects_bad_input():
+    args, _ = make_commit_problem("cpu", seed=9)
+    pos = (args["num_accepted_tokens"], args["state_indices"], args["query_start_loc"])
+    align = dict(block_table=torch.ones(12, 4, dtype=torch.int32),
+                 num_computed_tokens=torch.zeros(12, dtype=torch.int32))
+    for bad in (0, 4.0, True):
+        with pytest.raises(ValueError, match="`spec_len`"):
+            kda_ops.commit_plan(*pos, spec_len=bad)
+        with pytest.raises(ValueError, match="`block_size`"):
+            kda_ops.commit_plan(*pos, spec_len=4, **align, block_size=bad)
+    with pytest.raises(ValueError, match="`block_size`"):
+        kda_ops.commit_plan(*pos, spec_len=4, **align)

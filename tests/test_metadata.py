@@ -67,10 +67,11 @@ def test_aligned_state_indices_rejects_bad_arguments():
         kda_ops.aligned_state_indices(table, lens[:2], 4, 1)
     with pytest.raises(ValueError, match="`block_table`"):
         kda_ops.aligned_state_indices(table.float(), lens, 4, 1)
-    with pytest.raises(ValueError, match="`block_size`"):
-        kda_ops.aligned_state_indices(table, lens, 0, 1)
-    with pytest.raises(ValueError, match="`num_state_slots`"):
-        kda_ops.aligned_state_indices(table, lens, 4, 0)
+    for bad in (0, 4.0, True):
+        with pytest.raises(ValueError, match="`block_size`"):
+            kda_ops.aligned_state_indices(table, lens, bad, 1)
+        with pytest.raises(ValueError, match="`num_state_slots`"):
+            kda_ops.aligned_state_indices(table, lens, 4, bad)
 
 
 # --- stage_spec_decode_metadata -----------------------------------------------------
