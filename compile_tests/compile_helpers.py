@@ -13,7 +13,6 @@ import random
 import pytest
 import torch
 
-import kda_ops
 from kda_ops.models import KDACaches, KDADecodeStep, make_step_inputs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -176,23 +175,21 @@ def op_problems(device, seed=0):
                                        dict(x=rand(n, D), conv_state=rand(N, D, cols),
                                             weight=rand(D, W), bias=None, query_start_loc=qsl,
                                             state_indices=si, activation=None, out=rand(n, D)))
-    if hasattr(kda_ops, "aligned_state_indices"):
-        problems["aligned_state_indices"] = (
-            torch.ops.kda_ops.aligned_state_indices.default,
-            dict(block_table=ints([[1, 2, 3], [4, 5, 6]]), seq_lens=ints([9, 1]), block_size=4,
-                 num_state_slots=2))
-    if hasattr(kda_ops, "stage_spec_decode_metadata"):
-        staged = lambda: dict(staged_state_indices=ints([7] * 6),  # noqa: E731
-                              staged_query_start_loc=ints([7] * 7),
-                              staged_num_accepted_tokens=ints([7] * 6))
-        problems["stage_spec_decode_metadata"] = (
-            torch.ops.kda_ops.stage_spec_decode_metadata.default,
-            dict(state_indices=si, query_start_loc=qsl, num_accepted_tokens=accepted,
-                 **staged(), num_spec_decodes=3))
-        problems["stage_spec_decode_metadata_tensor_count"] = (
-            torch.ops.kda_ops.stage_spec_decode_metadata_tensor_count.default,
-            dict(state_indices=si, query_start_loc=qsl, num_accepted_tokens=accepted,
-                 **staged(), num_spec_decodes=ints([2])))
+    problems["aligned_state_indices"] = (
+        torch.ops.kda_ops.aligned_state_indices.default,
+        dict(block_table=ints([[1, 2, 3], [4, 5, 6]]), seq_lens=ints([9, 1]), block_size=4,
+             num_state_slots=2))
+    staged = lambda: dict(staged_state_indices=ints([7] * 6),  # noqa: E731
+                          staged_query_start_loc=ints([7] * 7),
+                          staged_num_accepted_tokens=ints([7] * 6))
+    problems["stage_spec_decode_metadata"] = (
+        torch.ops.kda_ops.stage_spec_decode_metadata.default,
+        dict(state_indices=si, query_start_loc=qsl, num_accepted_tokens=accepted,
+             **staged(), num_spec_decodes=3))
+    problems["stage_spec_decode_metadata_tensor_count"] = (
+        torch.ops.kda_ops.stage_spec_decode_metadata_tensor_count.default,
+        dict(state_indices=si, query_start_loc=qsl, num_accepted_tokens=accepted,
+             **staged(), num_spec_decodes=ints([2])))
     return problems
 
 
