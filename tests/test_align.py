@@ -72,3 +72,30 @@ def test_align_commit_every_offset(device, block_size):
     changed = (expected_state != state.double()).flatten(-3).any(-1)
     assert torch.equal(state_d.cpu()[~changed], state[~changed])
     assert_rel_close(state_d.cpu()[changed], expected_state[changed].float(), name="state")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_align_empty_block_table(device):
+    """A block table with no rows: every request's row is out of range, so
+    every plan is null and commit writes nothing, without reading the empty
+    `num_computed_tokens` (SPEC §3: no read outside a tensor)."""
+    T, H, K, V, D, W, N = 2, 1, 8, 4, 6, 3, 3
+    gen = torch.Generator().manual_seed(5)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    empty_table = dict(block_table=torch.zeros(0, 3, dtype=torch.int32, device=device),
+                       num_computed_tokens=torch.zeros(0, dtype=torch.int32, device=device),
+                       block_size=4)
+    accepted = torch.tensor([2, 1], dtype=torch.int32, device=device)
+    source = torch.tensor([1, 2], dtype=torch.int32, device=device)
+    qsl = query_start_loc([2, 1], device)
+    plan = kda_ops.commit_plan(accepted, source, qsl, spec_len=T, **empty_table)
+    assert [column.cpu().tolist() for column in plan] == [[0, 0]] * 4
+    state, conv = rand(N, H, V, K), rand(N, D, W - 1 + T - 1)
+    state_before, conv_before = state.clone(), conv.clone()
+    kda_ops.commit(accepted, source, qsl, state=state, conv_state=conv,
+                   correction=rand(N, H, T, V), key_gate=rand(N, H, T, 2 * K), A_log=rand(H),
+                   dt_bias=rand(H, K), **empty_table)
+    assert torch.equal(state, state_before) and torch.equal(conv, conv_before)

@@ -200,7 +200,9 @@ def commit_plan_row(
     boundary_col = final_col - 1
     recovery = tl.zeros_like(row)
     if ALIGN:
-        computed = tl.maximum(tl.load(computed_ptr + row * stride_computed).to(tl.int64), 0)
+        # Masked: with no table rows even row 0 is outside `num_computed_tokens`.
+        computed = tl.maximum(tl.load(computed_ptr + row * stride_computed, mask=row_ok,
+                                      other=0).to(tl.int64), 0)
         final_col = tl.minimum(tl.maximum(computed + commit - 1, 0) // block_size, bt_cols - 1)
         next_boundary = (computed // block_size + 1) * block_size
         recovery = tl.where(commit > 0, next_boundary - computed, 0)
