@@ -1,11 +1,12 @@
 """Benchmark: every op through one runner, against the copy bandwidth.
 
-    python -m kda_ops.bench [--ops verify,commit,conv_update,verify_commit,step]
+    python -m kda_ops.bench [--ops verify,commit,commit_align,conv_update,verify_commit,step]
                             [--batches 1,8,32,...]
                             [--spec-lens 2,4,8] [--layers 16] [--json out.json] [--plot out.png]
     python -m kda_ops.bench --table out.json [more.json ...] [--plot out.png]
 
-Ops: verify and conv_update (one layer), commit (all layers), verify_commit
+Ops: verify and conv_update (one layer), commit (all layers; commit_align: in
+align mode, every window crossing a block boundary), verify_commit
 (every layer's verify, then the commit), step (every layer's conv_update +
 verify, then the commit: `kda_ops.models.KDADecodeStep`). For each op and
 shape: the median time of CUDA-graph replays of one call per rotation set, the bytes
@@ -126,6 +127,15 @@ def commit_bytes(shape, accepted):
     return shape.batch * per_request
 
 
+def commit_align_bytes(shape):
+    """commit_bytes of T tokens, plus what align mode writes besides when every
+    window crosses a block boundary: each request's and layer's state and conv
+    history at the boundary."""
+    boundary = (shape.heads * shape.value_dim * shape.key_dim * shape.state_dtype.itemsize
+                + shape.conv_dim * (shape.conv_width - 1) * shape.act_dtype.itemsize)
+    return commit_bytes(shape, shape.spec_len) + shape.batch * shape.layers * boundary
+
+
 def decode_bytes(shape):
     """Every layer's verify, then the commit of all T tokens."""
     return shape.layers * verify_bytes(shape) + commit_bytes(shape, shape.spec_len)
@@ -167,6 +177,27 @@ def setup_commit(shape, device):
     calls = [lambda idx=idx: kda_ops.commit(accepted, idx, starts, lower_bound=-5.0, **bufs)
              for idx in _index_sets(sets, B, device)]
     return calls, commit_bytes(shape, T)
+
+
+ALIGN_BLOCK_SIZE = 16  # > T: each window crosses exactly one block boundary
+
+
+def setup_commit_align(shape, device):
+    """commit in align mode (SPEC §4), every window crossing a block boundary
+    after its first token: the checkpoint's block (column 0 of the request's
+    table row) takes the boundary state in place, and the folded state goes to
+    the next block (column 1)."""
+    B, T = shape.batch, shape.spec_len
+    sets, _ = _block_pool(shape, commit_align_bytes(_one_request(shape)))
+    bufs = _commit_buffers(shape, device, 2 * sets * B + 1)
+    accepted = torch.full((B,), T, device=device, dtype=torch.int32)
+    computed = torch.full((B,), ALIGN_BLOCK_SIZE - 1, device=device, dtype=torch.int32)
+    starts = _window_starts(shape, device)
+    tables = [blocks.view(B, 2) for blocks in _index_sets(sets, 2 * B, device)]
+    calls = [lambda table=table: kda_ops.commit(
+        accepted, table[:, 0], starts, lower_bound=-5.0, block_table=table,
+        num_computed_tokens=computed, block_size=ALIGN_BLOCK_SIZE, **bufs) for table in tables]
+    return calls, commit_align_bytes(shape)
 
 
 def setup_verify_commit(shape, device):
@@ -218,8 +249,9 @@ def setup_step(shape, device):
     return calls, step_bytes(shape)
 
 
-SETUPS = {"verify": setup_verify, "commit": setup_commit, "conv_update": setup_conv_update,
-          "verify_commit": setup_verify_commit, "step": setup_step}
+SETUPS = {"verify": setup_verify, "commit": setup_commit, "commit_align": setup_commit_align,
+          "conv_update": setup_conv_update, "verify_commit": setup_verify_commit,
+          "step": setup_step}
 
 
 def graph_time_us(calls):
@@ -360,7 +392,8 @@ def main(argv=None):
     parser.add_argument("--spec-lens", type=_int_list, default="2,4,8",
                         help="comma-separated window lengths T (default: %(default)s)")
     parser.add_argument("--layers", type=_positive_int, default=16,
-                        help="layers for commit, verify_commit and step (default: %(default)s)")
+                        help="layers for commit, commit_align, verify_commit and step "
+                             "(default: %(default)s)")
     parser.add_argument("--json", default="bench.json",
                         help="where to write the rows and the run's GPU, versions and copy "
                              "bandwidth (default: %(default)s)")

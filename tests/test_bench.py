@@ -38,7 +38,9 @@ def expected_bytes(shape, op):
     commit = L * nbytes(((B, H, V, K), st), ((B, H, V, K), st),            # state read, written
                         ((B, H, T, V), f32), ((B, H, T, 2 * K), act),      # records of T tokens
                         ((B, D, W - 1), act), ((B, D, W - 1), act))        # history read, written
+    boundary = L * nbytes(((B, H, V, K), st), ((B, D, W - 1), act))       # align: boundary written
     return {"verify": verify, "conv_update": conv, "commit": commit,
+            "commit_align": commit + boundary,
             "verify_commit": L * verify + commit, "step": L * (conv + verify) + commit}[op]
 
 
@@ -49,6 +51,27 @@ def test_setup_runs_and_counts_the_bytes_it_moves(op):
     calls[0]()
     calls[-1]()
     assert moved == expected_bytes(SHAPE, op)
+
+
+def test_commit_align_writes_a_boundary_in_every_window(monkeypatch):
+    """Every call of commit_align folds all T tokens into the next block of the
+    request's table row and writes the boundary state into the checkpoint's
+    own block, as its bytes count."""
+    seen = []
+    monkeypatch.setattr(bench.kda_ops, "commit", lambda *args, **kwargs: seen.append((args, kwargs)))
+    calls, _ = bench.setup_commit_align(SHAPE, "cpu")
+    for call in calls:
+        call()
+    assert len(seen) == len(calls)
+    for (accepted, source, starts), kwargs in seen:
+        table = kwargs["block_table"]
+        lens, final, boundary, _ = bench.kda_ops.commit_plan(
+            accepted, source, starts, spec_len=SHAPE.spec_len, block_table=table,
+            num_computed_tokens=kwargs["num_computed_tokens"], block_size=kwargs["block_size"])
+        assert lens.tolist() == [SHAPE.spec_len] * SHAPE.batch
+        assert torch.equal(boundary, source) and torch.equal(final, table[:, 1])
+    blocks = torch.cat([kwargs["block_table"].flatten() for _, kwargs in seen])
+    assert len(set(blocks.tolist())) == len(blocks), "a block is reused across calls"
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
