@@ -28,6 +28,8 @@ def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None):
     """Checks one tensor; `shape` entries of None match any size."""
     if not isinstance(t, torch.Tensor):
         _fail(name, f"must be a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        _fail(name, f"must be a dense (strided) tensor, got layout {t.layout}")
     if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
         _fail(name, f"must have {ndim} dims, got shape {_shape(t)}")
     if shape is not None:
@@ -65,6 +67,11 @@ def _gate_params(A_log, dt_bias, num_heads, key_dim, device, num_layers=None):
     if _shape(dt_bias) not in (lead + (num_heads, key_dim), lead + (num_heads * key_dim,)):
         _fail("dt_bias", f"must have shape {lead + (num_heads, key_dim)} or "
               f"{lead + (num_heads * key_dim,)}, got {_shape(dt_bias)}")
+
+
+def _has_null_block(name, t, num_blocks):
+    if num_blocks < 1:
+        _fail(name, f"must hold at least block 0, the null block, got shape {_shape(t)}")
 
 
 def _request_metadata(query_start_loc, state_indices, device):
@@ -108,6 +115,7 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     check_tensor("state", state, shape=(None, num_heads, value_dim, key_dim),
                  dtypes=STATE_DTYPES, device=device)
     num_blocks = state.shape[0]
+    _has_null_block("state", state, num_blocks)
     check_tensor("correction", correction, shape=(num_blocks, num_heads, None, value_dim),
                  dtypes=(torch.float32,), device=device)
     spec_len = correction.shape[2]
@@ -195,6 +203,7 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
     lead = tuple(state.shape[:1]) if stacked else ()
     num_layers = state.shape[0] if stacked else 1
     num_blocks, num_heads, value_dim, key_dim = state.shape[-4:]
+    _has_null_block("state", state, num_blocks)
     check_tensor("correction", correction, shape=lead + (num_blocks, num_heads, None, value_dim),
                  dtypes=(torch.float32,), device=device)
     spec_len = correction.shape[-2]
@@ -242,6 +251,7 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
     num_tokens, dim = x.shape
     check_tensor("conv_state", conv_state, shape=(None, dim, None), dtypes=ACTIVATION_DTYPES,
                  device=device)
+    _has_null_block("conv_state", conv_state, conv_state.shape[0])
     check_tensor("weight", weight, shape=(dim, None), dtypes=ACTIVATION_DTYPES, device=device)
     width = weight.shape[1]
     # The history keeps W-1 >= 1 columns, from which commit drops the oldest.

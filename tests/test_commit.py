@@ -211,6 +211,7 @@ def test_commit_opcheck(device):
 BAD_COMMIT_INPUTS = [
     ("state ndim", lambda a: a.update(state=a["state"][0, 0]), "state"),
     ("state dtype", lambda a: a.update(state=a["state"].half()), "state"),
+    ("state without blocks", lambda a: a.update(state=a["state"][:, :0]), "state"),
     ("correction layers", lambda a: a.update(correction=a["correction"][:1]), "correction"),
     ("correction dtype", lambda a: a.update(correction=a["correction"].bfloat16()), "correction"),
     ("key_gate T", lambda a: a.update(key_gate=a["key_gate"][:, :, :, :-1]), "key_gate"),
@@ -219,6 +220,7 @@ BAD_COMMIT_INPUTS = [
     ("dt_bias", lambda a: a.update(dt_bias=a["dt_bias"][..., :-1]), "dt_bias"),
     ("conv too short", lambda a: a.update(conv_state=a["conv_state"][..., :2]), "conv_state"),
     ("conv blocks", lambda a: a.update(conv_state=a["conv_state"][:, :-1]), "conv_state"),
+    ("conv sparse", lambda a: a.update(conv_state=a["conv_state"].to_sparse()), "conv_state"),
     ("accepted too short", lambda a: a.update(num_accepted_tokens=a["num_accepted_tokens"][:3]),
      "num_accepted_tokens"),
     ("accepted dtype", lambda a: a.update(num_accepted_tokens=a["num_accepted_tokens"].float()),
