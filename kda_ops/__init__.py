@@ -80,10 +80,11 @@ def conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Te
     """Causal depthwise convolution over each request's window (SPEC §2) and
     returns the outputs (like `x`, or written into `out`).
 
-    `conv_state [N, D, W-1+T-1]` (any strides) holds the history in columns
-    0..W-2 of block `state_indices[b]`; the window's first min(L, T) tokens are
-    convolved, and `[h_1..h_{W-2}, x_0..x_{min(L,T)-1}]` is written into columns
-    0..W-3+min(L, T); later columns are untouched (and all of them when L = 0).
+    `conv_state [N, D, W-1+T-1]` (any strides that do not overlap) holds the
+    history in columns 0..W-2 of block `state_indices[b]`; the window's first
+    min(L, T) tokens are convolved, and `[h_1..h_{W-2}, x_0..x_{min(L,T)-1}]`
+    is written into columns 0..W-3+min(L, T); later columns are untouched (and
+    all of them when L = 0).
     Tokens past T, and all tokens of null rows (index <= 0 or >= N, state
     untouched), get zero outputs; tokens outside every window are not written.
     """

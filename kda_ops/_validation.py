@@ -24,8 +24,10 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
-def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None):
-    """Checks one tensor; `shape` entries of None match any size."""
+def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None, written=False):
+    """Checks one tensor; `shape` entries of None match any size. A `written`
+    tensor must not overlap itself (an expanded view would take one element's
+    writes from several programs in an undefined order)."""
     if not isinstance(t, torch.Tensor):
         _fail(name, f"must be a tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -42,6 +44,9 @@ def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None):
         _fail(name, f"must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if device is not None and t.device != device:
         _fail(name, f"must be on {device} like the other tensors, got {t.device}")
+    if written and any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride())):
+        _fail(name, f"is written, so it must not overlap itself, got strides {tuple(t.stride())} "
+              f"for shape {_shape(t)}")
 
 
 def _token_view(name, t, leading_ndim):
@@ -117,17 +122,17 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     num_blocks = state.shape[0]
     _has_null_block("state", state, num_blocks)
     check_tensor("correction", correction, shape=(num_blocks, num_heads, None, value_dim),
-                 dtypes=(torch.float32,), device=device)
+                 dtypes=(torch.float32,), device=device, written=True)
     spec_len = correction.shape[2]
     if spec_len < 1:
         _fail("correction", f"must hold at least one token per window, got shape "
               f"{_shape(correction)}")
     check_tensor("key_gate", key_gate, shape=(num_blocks, num_heads, spec_len, 2 * key_dim),
-                 dtypes=(k.dtype,), device=device)
+                 dtypes=(k.dtype,), device=device, written=True)
     batch = _request_metadata(query_start_loc, state_indices, device)
     if out is None:
         _fail("out", "is required by torch.ops.kda_ops.verify (kda_ops.verify allocates it)")
-    check_tensor("out", out, shape=_shape(v), dtypes=(v.dtype,), device=device)
+    check_tensor("out", out, shape=_shape(v), dtypes=(v.dtype,), device=device, written=True)
     check_lower_bound(lower_bound)
     return VerifyDims(num_tokens, num_heads, key_dim, value_dim, num_blocks, spec_len, batch)
 
@@ -197,7 +202,7 @@ class CommitDims:
 def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                  correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
                  block_table, num_computed_tokens, block_size) -> tuple[CommitDims, PlanArgs]:
-    check_tensor("state", state, ndim=(4, 5), dtypes=STATE_DTYPES)
+    check_tensor("state", state, ndim=(4, 5), dtypes=STATE_DTYPES, written=True)
     device = state.device
     stacked = state.dim() == 5
     lead = tuple(state.shape[:1]) if stacked else ()
@@ -218,7 +223,7 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
     conv_dim, conv_history = 0, 0
     if conv_state is not None:
         check_tensor("conv_state", conv_state, shape=lead + (num_blocks, None, None),
-                     dtypes=ACTIVATION_DTYPES, device=device)
+                     dtypes=ACTIVATION_DTYPES, device=device, written=True)
         conv_dim = conv_state.shape[-2]
         conv_history = conv_state.shape[-1] - (spec_len - 1)
         if conv_history < 1:
@@ -250,7 +255,7 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
     device = x.device
     num_tokens, dim = x.shape
     check_tensor("conv_state", conv_state, shape=(None, dim, None), dtypes=ACTIVATION_DTYPES,
-                 device=device)
+                 device=device, written=True)
     _has_null_block("conv_state", conv_state, conv_state.shape[0])
     check_tensor("weight", weight, shape=(dim, None), dtypes=ACTIVATION_DTYPES, device=device)
     width = weight.shape[1]
@@ -269,7 +274,8 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
     if out is None:
         _fail("out", "is required by torch.ops.kda_ops.conv_update "
               "(kda_ops.conv_update allocates it)")
-    check_tensor("out", out, shape=_shape(x), dtypes=ACTIVATION_DTYPES, device=device)
+    check_tensor("out", out, shape=_shape(x), dtypes=ACTIVATION_DTYPES, device=device,
+                 written=True)
     return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch)
 
 
@@ -297,12 +303,12 @@ def check_stage_spec_decode_metadata(state_indices, query_start_loc, num_accepte
               f"of state_indices), got shape {_shape(num_accepted_tokens)}")
     slots = tuple(state_indices.shape[1:])
     check_tensor("staged_state_indices", staged_state_indices, shape=(None,) + slots,
-                 dtypes=INDEX_DTYPES, device=device)
+                 dtypes=INDEX_DTYPES, device=device, written=True)
     batch = staged_state_indices.shape[0]
     check_tensor("staged_query_start_loc", staged_query_start_loc, shape=(batch + 1,),
-                 dtypes=INDEX_DTYPES, device=device)
+                 dtypes=INDEX_DTYPES, device=device, written=True)
     check_tensor("staged_num_accepted_tokens", staged_num_accepted_tokens, shape=(batch,),
-                 dtypes=INDEX_DTYPES, device=device)
+                 dtypes=INDEX_DTYPES, device=device, written=True)
     count_limit = min(source_rows, batch)
     if isinstance(num_spec_decodes, torch.Tensor):
         check_tensor("num_spec_decodes", num_spec_decodes, dtypes=INDEX_DTYPES, device=device)

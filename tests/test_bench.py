@@ -58,7 +58,8 @@ def test_commit_align_writes_a_boundary_in_every_window(monkeypatch):
     request's table row and writes the boundary state into the checkpoint's
     own block, as its bytes count."""
     seen = []
-    monkeypatch.setattr(bench.kda_ops, "commit", lambda *args, **kwargs: seen.append((args, kwargs)))
+    monkeypatch.setattr(bench.kda_ops, "commit",
+                        lambda *args, **kwargs: seen.append((args, kwargs)))
     calls, _ = bench.setup_commit_align(SHAPE, "cpu")
     for call in calls:
         call()

@@ -212,6 +212,8 @@ BAD_COMMIT_INPUTS = [
     ("state ndim", lambda a: a.update(state=a["state"][0, 0]), "state"),
     ("state dtype", lambda a: a.update(state=a["state"].half()), "state"),
     ("state without blocks", lambda a: a.update(state=a["state"][:, :0]), "state"),
+    ("state overlapping", lambda a: a.update(state=a["state"][:, :1].expand_as(a["state"])),
+     "state"),
     ("correction layers", lambda a: a.update(correction=a["correction"][:1]), "correction"),
     ("correction dtype", lambda a: a.update(correction=a["correction"].bfloat16()), "correction"),
     ("key_gate T", lambda a: a.update(key_gate=a["key_gate"][:, :, :, :-1]), "key_gate"),

@@ -221,6 +221,8 @@ BAD_CONV_INPUTS = [
      "conv_state"),
     ("conv_state sparse", lambda a: a.update(conv_state=a["conv_state"].to_sparse()),
      "conv_state"),
+    ("conv_state overlapping", lambda a: a.update(
+        conv_state=a["conv_state"][:1].expand_as(a["conv_state"])), "conv_state"),
     ("conv_state device", lambda a: a.update(conv_state=a["conv_state"].to("meta")),
      "conv_state"),
     ("weight dim", lambda a: a.update(weight=a["weight"][:-1]), "weight"),

@@ -154,6 +154,8 @@ def test_stage_rejects_bad_arguments():
         stage(sources[0], sources[1], sources[2][:3], *staged, 1)
     with pytest.raises(ValueError, match="`staged_state_indices`"):
         stage(*sources, staged[0][:, None], *staged[1:], 1)
+    with pytest.raises(ValueError, match="`staged_state_indices`"):
+        stage(*sources, staged[0][:1].expand_as(staged[0]), *staged[1:], 1)
     with pytest.raises(ValueError, match="`staged_query_start_loc`"):
         stage(*sources, staged[0], staged[1][:-1], staged[2], 1)
     with pytest.raises(ValueError, match="`staged_num_accepted_tokens`"):

@@ -315,6 +315,8 @@ BAD_VERIFY_INPUTS = [
     ("state without blocks", lambda a: a.update(state=a["state"][:0]), "state"),
     ("correction dtype", lambda a: a.update(correction=a["correction"].double()), "correction"),
     ("correction blocks", lambda a: a.update(correction=a["correction"][:-1]), "correction"),
+    ("correction overlapping", lambda a: a.update(
+        correction=a["correction"][:1].expand_as(a["correction"])), "correction"),
     ("key_gate T", lambda a: a.update(key_gate=a["key_gate"][:, :, :-1]), "key_gate"),
     ("key_gate dtype", lambda a: a.update(key_gate=a["key_gate"].half()), "key_gate"),
     ("key_gate sparse", lambda a: a.update(key_gate=a["key_gate"].to_sparse()), "key_gate"),
