@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from . import ops as _ops
-from ._validation import check_int, check_int_or_tensor
+from ._validation import (check_activation, check_int, check_int_or_tensor, check_lower_bound,
+                          check_scale)
 
 from .torch_impl import NULL_BLOCK
 
@@ -32,6 +33,9 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
     Tokens of null rows (index <= 0 or >= num_blocks) and tokens past T get zero
     outputs; tokens outside every window are not written.
     """
+    # Checked here too: the dispatcher would refuse a wrong type with a RuntimeError.
+    check_lower_bound(lower_bound)
+    check_scale(scale)
     if out is None:
         out = torch.empty_like(v)
     # Positional: Dynamo graph-breaks on any op given a non-contiguous `out=`
@@ -50,6 +54,7 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
     """Folds each request's accepted prefix into its checkpoint, for every layer
     (buffers stacked `[num_layers, N, ...]`, or one layer's 4-D buffers), and
     compacts the convolution history (`conv_state=None` skips it). SPEC §2, §4."""
+    check_lower_bound(lower_bound)
     if block_size is not None:
         check_int("block_size", block_size)
     _ops.commit(num_accepted_tokens, state_indices, query_start_loc, state=state,
@@ -88,6 +93,7 @@ def conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Te
     Tokens past T, and all tokens of null rows (index <= 0 or >= N, state
     untouched), get zero outputs; tokens outside every window are not written.
     """
+    check_activation(activation)
     if out is None:
         out = torch.empty_like(x)
     # Positional, as in `verify`: a strided `out=` keyword makes Dynamo graph-break.

@@ -138,8 +138,13 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
 
 
 def check_lower_bound(lower_bound):
-    if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and lower_bound < 0):
+    if lower_bound is not None and not (_is_float(lower_bound) and lower_bound < 0):
         _fail("lower_bound", f"must be a negative float or None, got {lower_bound!r}")
+
+
+def check_scale(scale):
+    if scale is not None and not _is_float(scale):
+        _fail("scale", f"must be a float or None, got {scale!r}")
 
 
 def _positive_int(name, value):
@@ -239,6 +244,11 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
 CONV_ACTIVATIONS = ("silu", None)
 
 
+def check_activation(activation):
+    if activation not in CONV_ACTIVATIONS:
+        _fail("activation", f"must be one of {list(CONV_ACTIVATIONS)}, got {activation!r}")
+
+
 @dataclass(frozen=True)
 class ConvDims:
     num_tokens: int
@@ -268,8 +278,7 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
               f"(viewed [N, D, W-1+T-1]), got shape {_shape(conv_state)}")
     if bias is not None:
         check_tensor("bias", bias, shape=(dim,), dtypes=ACTIVATION_DTYPES, device=device)
-    if activation not in CONV_ACTIVATIONS:
-        _fail("activation", f"must be one of {list(CONV_ACTIVATIONS)}, got {activation!r}")
+    check_activation(activation)
     batch = _request_metadata(query_start_loc, state_indices, device)
     if out is None:
         _fail("out", "is required by torch.ops.kda_ops.conv_update "
@@ -325,6 +334,10 @@ def check_stage_spec_decode_metadata(state_indices, query_start_loc, num_accepte
 def _is_int(value):
     # A SymInt is what Dynamo passes for an int it traces as dynamic.
     return not isinstance(value, bool) and isinstance(value, (int, torch.SymInt))
+
+
+def _is_float(value):
+    return _is_int(value) or isinstance(value, (float, torch.SymFloat))
 
 
 def check_int(name, value):

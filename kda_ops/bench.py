@@ -275,6 +275,8 @@ def copy_bandwidth(device, nbytes=2 << 30):
     return 2 * nbytes / (ms * 1e-3)
 
 
+ONE_LAYER_OPS = ("verify", "conv_update")  # the others run every layer
+
 # Ops that run a decode step's work (every layer, then the commit): the table
 # also gives their time over the bytes-over-bandwidth floor.
 WHOLE_STEP_OPS = ("verify_commit", "step")
@@ -291,7 +293,7 @@ def run(ops, batches, spec_lens, layers, device):
                 us = graph_time_us(calls)
                 bw = moved / (us * 1e-6)
                 rows.append(dict(op=op, batch=B, spec_len=T,
-                                 layers=layers if op in ("commit", *WHOLE_STEP_OPS) else 1,
+                                 layers=1 if op in ONE_LAYER_OPS else layers,
                                  time_us=us, bytes=moved, bandwidth_gbs=bw / 1e9,
                                  fraction_of_copy=bw / copy_bw, floor_us=moved / copy_bw * 1e6))
                 print(f"{op:12s} T={T} B={B:4d}  {us:9.1f} us  {bw / 1e9:7.0f} GB/s  "

@@ -53,6 +53,16 @@ def test_setup_runs_and_counts_the_bytes_it_moves(op):
     assert moved == expected_bytes(SHAPE, op)
 
 
+@pytest.mark.parametrize("op", sorted(bench.SETUPS))
+def test_layers_recorded_for_an_op_are_the_layers_it_runs(op):
+    """A saved row's `layers` is 1 exactly for the ops whose work does not
+    grow with the layer count."""
+    one, two = (bench.SETUPS[op](bench.Shape(batch=2, spec_len=2, layers=layers, heads=2,
+                                             key_dim=8, value_dim=8), "cpu")[1]
+                for layers in (1, 2))
+    assert (one == two) == (op in bench.ONE_LAYER_OPS)
+
+
 def test_commit_align_writes_a_boundary_in_every_window(monkeypatch):
     """Every call of commit_align folds all T tokens into the next block of the
     request's table row and writes the boundary state into the checkpoint's

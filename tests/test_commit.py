@@ -253,6 +253,7 @@ BAD_COMMIT_INPUTS = [
         block_table=torch.ones(12, 4, dtype=torch.int32),
         num_computed_tokens=torch.zeros(12, dtype=torch.int32), block_size=True), "block_size"),
     ("lower_bound", lambda a: a.update(lower_bound=1.0), "lower_bound"),
+    ("lower_bound type", lambda a: a.update(lower_bound="-5"), "lower_bound"),
 ]
 
 

@@ -256,6 +256,7 @@ def test_conv_update_rejects_bad_input(case, mutate, name):
 
 BAD_CONV_OPTIONS = [
     ("activation", lambda x: dict(activation="gelu"), "activation"),
+    ("activation type", lambda x: dict(activation=1), "activation"),
     ("out shape", lambda x: dict(out=torch.empty(3, x.shape[1])), "out"),
     ("out dtype", lambda x: dict(out=torch.empty(x.shape, dtype=torch.int32)), "out"),
     ("out device", lambda x: dict(out=torch.empty(x.shape, device="meta")), "out"),
