@@ -37,7 +37,8 @@ class RequestGroup:
     """int64 `[n]` on the CPU: the group's rows of the batch, ascending."""
     request_indices: Optional[Tensor]
     """int32 `[n]` on the device: the same rows, or None when they are exactly
-    `0..n-1` (the convention of `commit`'s `request_indices`)."""
+    `0..n-1` and the batch's `query_start_loc` starts at 0 (the convention of
+    `commit`'s `request_indices`)."""
     num_tokens: int
     token_indices: Tensor
     """int32 `[num_tokens]` on the device: packed positions of the group's tokens."""
@@ -175,7 +176,9 @@ def plan_batch(
         cache_mode: "none" (each row's state lives in `block_table[r, 0]`) or
             "align" (the state after `n` tokens lives in the block holding token
             `n - 1`, so every full block keeps the state at its boundary).
-        block_size: tokens per block (align mode).
+        block_size: tokens per block (align mode), at least `spec_len - 1`:
+            commit writes one boundary state per request, so a window must not
+            fill a block and complete another before its last one.
     """
     device = _check_plan_inputs(query_start_loc_cpu, query_start_loc, is_prefilling,
                                 block_table, spec_len, num_draft_tokens,
@@ -333,6 +336,11 @@ def _check_plan_inputs(query_start_loc_cpu, query_start_loc, is_prefilling, bloc
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             _fail("block_size", f'must be a positive int in cache mode "align", got '
                   f"{block_size!r}")
+        # commit writes one boundary state per request: a window of T tokens
+        # must not fill a block and then complete another before its last one.
+        if block_size < spec_len - 1:
+            _fail("block_size", f'must be at least spec_len - 1 = {spec_len - 1} in cache mode '
+                  f'"align" (commit writes one boundary state per request), got {block_size}')
     return device
 
 
@@ -403,6 +411,10 @@ class SpecDecodeGraphBuffers:
             _fail("plan", "must hold only speculative decodes, first in the batch, to be staged "
                   f"(got {plan.decode.num_requests} decodes, {plan.prefill.num_requests} "
                   "prefills)")
+        batch = self.max_batch_size if batch_size is None else batch_size
+        if spec.num_requests > batch:
+            _fail("batch_size", f"must hold the plan's {spec.num_requests} speculative requests, "
+                  f"got {batch}")
         accepted = (None if num_accepted_tokens is None
                     else plan.spec_accepted(num_accepted_tokens))
         return self.stage(spec.state_indices, spec.query_start_loc, spec.num_requests,

@@ -403,8 +403,10 @@ def test_plan_rejects_bad_batches():
         plan(cache_mode="align", block_size=4)
     with pytest.raises(ValueError, match="`block_size`"):
         plan(cache_mode="align", num_computed_tokens=torch.ones(2, dtype=torch.int32))
-    with pytest.raises(ValueError, match="`block_table` has 3 columns"):
+    with pytest.raises(ValueError, match="`block_size` must be at least spec_len - 1 = 3"):
         plan(cache_mode="align", block_size=2, num_computed_tokens=torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="`block_table` has 3 columns"):
+        plan(cache_mode="align", block_size=3, num_computed_tokens=torch.tensor([1, 6]))
     with pytest.raises(ValueError, match="`num_draft_tokens`"):
         plan(num_draft_tokens=torch.tensor([1]))
     with pytest.raises(ValueError, match="`query_start_loc_cpu`"):
@@ -445,6 +447,8 @@ def test_graph_buffers_stage_plan(device):
 
     with pytest.raises(ValueError, match="`batch_size`"):
         buffers.views(7)
+    with pytest.raises(ValueError, match="`batch_size` must hold the plan's 3"):
+        buffers.stage_plan(plan, batch_size=2)
     mixed = plan_batch(starts, starts.to(device), torch.tensor([False, True, False, False]),
                        table, spec_len=3, num_draft_tokens=torch.tensor([2, -1, 1, -1]))
     with pytest.raises(ValueError, match="`plan`"):
