@@ -179,24 +179,22 @@ def setup_commit(shape, device):
     return calls, commit_bytes(shape, T)
 
 
-ALIGN_BLOCK_SIZE = 16  # > T: each window crosses exactly one block boundary
-
-
 def setup_commit_align(shape, device):
     """commit in align mode (SPEC §4), every window crossing a block boundary
     after its first token: the checkpoint's block (column 0 of the request's
     table row) takes the boundary state in place, and the folded state goes to
     the next block (column 1)."""
     B, T = shape.batch, shape.spec_len
+    block_size = max(16, T)  # >= T: each window crosses exactly one block boundary
     sets, _ = _block_pool(shape, commit_align_bytes(_one_request(shape)))
     bufs = _commit_buffers(shape, device, 2 * sets * B + 1)
     accepted = torch.full((B,), T, device=device, dtype=torch.int32)
-    computed = torch.full((B,), ALIGN_BLOCK_SIZE - 1, device=device, dtype=torch.int32)
+    computed = torch.full((B,), block_size - 1, device=device, dtype=torch.int32)
     starts = _window_starts(shape, device)
     tables = [blocks.view(B, 2) for blocks in _index_sets(sets, 2 * B, device)]
     calls = [lambda table=table: kda_ops.commit(
         accepted, table[:, 0], starts, lower_bound=-5.0, block_table=table,
-        num_computed_tokens=computed, block_size=ALIGN_BLOCK_SIZE, **bufs) for table in tables]
+        num_computed_tokens=computed, block_size=block_size, **bufs) for table in tables]
     return calls, commit_align_bytes(shape)
 
 

@@ -2,6 +2,7 @@
 and the bytes each op is divided by are the bytes of the tensors it must read
 and write once (docs/performance.md, Method), counted here from the tensors."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -63,23 +64,27 @@ def test_layers_recorded_for_an_op_are_the_layers_it_runs(op):
     assert (one == two) == (op in bench.ONE_LAYER_OPS)
 
 
-def test_commit_align_writes_a_boundary_in_every_window(monkeypatch):
+@pytest.mark.parametrize("spec_len", [SHAPE.spec_len, 20])
+def test_commit_align_writes_a_boundary_in_every_window(monkeypatch, spec_len):
     """Every call of commit_align folds all T tokens into the next block of the
     request's table row and writes the boundary state into the checkpoint's
     own block, as its bytes count."""
     seen = []
     monkeypatch.setattr(bench.kda_ops, "commit",
                         lambda *args, **kwargs: seen.append((args, kwargs)))
-    calls, _ = bench.setup_commit_align(SHAPE, "cpu")
+    shape = dataclasses.replace(SHAPE, spec_len=spec_len)
+    calls, _ = bench.setup_commit_align(shape, "cpu")
     for call in calls:
         call()
     assert len(seen) == len(calls)
     for (accepted, source, starts), kwargs in seen:
         table = kwargs["block_table"]
         lens, final, boundary, _ = bench.kda_ops.commit_plan(
-            accepted, source, starts, spec_len=SHAPE.spec_len, block_table=table,
+            accepted, source, starts, spec_len=spec_len, block_table=table,
             num_computed_tokens=kwargs["num_computed_tokens"], block_size=kwargs["block_size"])
-        assert lens.tolist() == [SHAPE.spec_len] * SHAPE.batch
+        assert lens.tolist() == [spec_len] * shape.batch
+        last_token = kwargs["num_computed_tokens"] + spec_len - 1
+        assert (last_token // kwargs["block_size"] == 1).all(), "the table's columns clamp final"
         assert torch.equal(boundary, source) and torch.equal(final, table[:, 1])
     blocks = torch.cat([kwargs["block_table"].flatten() for _, kwargs in seen])
     assert len(set(blocks.tolist())) == len(blocks), "a block is reused across calls"
