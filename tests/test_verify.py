@@ -281,6 +281,21 @@ def test_verify_strided_tokens(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_verify_strided_out(device):
+    """`out` every other column of a wider buffer (the rest untouched), then a
+    `v` that is dense but permuted, whose `empty_like` output is permuted too."""
+    args, buffers = make_problem(device, seed=12)
+    v = args["v"]
+    wide = torch.randn(*v.shape[:-1], 2 * v.shape[-1]).to(v.dtype).to(device)
+    wide_before = wide.clone()
+    out = wide[..., 1::2]
+    check_against_oracle(args, buffers, out.clone(), out=out)
+    assert torch.equal(wide[..., 0::2], wide_before[..., 0::2])
+    args["v"] = v.transpose(0, 1).contiguous().transpose(0, 1)
+    check_against_oracle(args, buffers, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_verify_empty_batch(device):
     args, buffers = make_problem(device, lens=(), indices=(), prefix=0, suffix=2)
     out_before = torch.randn(args["v"].shape, device=device)
