@@ -198,6 +198,38 @@ def test_sequential_decoding_end_to_end(device):
         assert_rel_close(state[layer, blocks[b]], S.float(), name=f"state {layer},{b}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_commit_layer_offsets_past_int32(device):
+    """A stacked state whose last layer starts past 2**31 elements while each
+    layer's stride stays below it (an int32 kernel argument): the layer
+    offset must not wrap. About 8 GB of address space, of which the CPU runs
+    touch only the blocks used."""
+    L, H, K, V, T = 3, 1, 16, 16, 1
+    N = (1 << 22) + 8  # H * V * K * N < 2**31 <= 2 * H * V * K * N
+    state = torch.empty(L, N, H, V, K, dtype=torch.bfloat16, device=device)
+    correction = torch.empty(L, N, H, T, V, device=device)
+    key_gate = torch.empty(L, N, H, T, 2 * K, dtype=torch.bfloat16, device=device)
+    assert state.stride(0) < 2**31 <= 2 * state.stride(0)
+    blocks = [1, N - 1]
+    gen = torch.Generator().manual_seed(21)
+    for buffer in (state, correction, key_gate):
+        for b in blocks:
+            buffer[:, b] = torch.randn(buffer[:, b].shape, generator=gen).to(buffer.dtype)
+    A_log, dt_bias = torch.randn(L, H, generator=gen) * 0.5, torch.randn(L, H, K, generator=gen)
+    expected = {(layer, b): naive.fold(state[layer, b, 0].cpu(), correction[layer, b, 0].cpu(),
+                                       key_gate[layer, b, 0].cpu(), A_log[layer, 0],
+                                       dt_bias[layer, 0], -5.0, 1)
+                for layer in range(L) for b in blocks}
+    kda_ops.commit(torch.ones(2, dtype=torch.int32, device=device),
+                   torch.tensor(blocks, dtype=torch.int32, device=device),
+                   query_start_loc([1, 1], device), state=state, conv_state=None,
+                   correction=correction, key_gate=key_gate, A_log=A_log.to(device),
+                   dt_bias=dt_bias.to(device), lower_bound=-5.0)
+    for (layer, b), folded in expected.items():
+        assert_rel_close(state[layer, b, 0].cpu(), folded.to(torch.bfloat16),
+                         name=f"layer {layer}, block {b}")
+
+
 @pytest.mark.skipif(INTERPRET, reason="opcheck traces the op; the interpreter runs eagerly only")
 @pytest.mark.parametrize("device", DEVICES)
 def test_commit_opcheck(device):

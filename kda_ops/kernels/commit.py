@@ -35,7 +35,9 @@ def _commit_state_kernel(
     lower_bound = tl.cast(lower_bound, tl.float32)  # fp64 when launched by Inductor
     pid_v = tl.program_id(0)
     b = tl.program_id(1)
-    layer = tl.program_id(2) // NUM_HEADS
+    # int64: a stacked cache passes 2**31 elements from about 274 blocks (16
+    # layers, 32 heads, K = V = 128), and the layer stride is an int32 argument.
+    layer = (tl.program_id(2) // NUM_HEADS).to(tl.int64)
     h = tl.program_id(2) % NUM_HEADS
 
     commit, row, final_col, boundary_col, recovery = commit_plan_row(
@@ -114,7 +116,7 @@ def _commit_conv_kernel(
     wait_for_previous_kernel(PDL)
     pid_d = tl.program_id(0)
     b = tl.program_id(1)
-    layer = tl.program_id(2)
+    layer = tl.program_id(2).to(tl.int64)  # as in _commit_state_kernel
 
     commit, row, final_col, boundary_col, recovery = commit_plan_row(
         b, accepted_ptr, stride_accepted, request_ptr, stride_request,
