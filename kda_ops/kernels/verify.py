@@ -128,7 +128,7 @@ def _verify_kernel(
             stride_q_head, stride_q_dim)
         keys, queries, decays = window_vectors(raw_k, raw_g, raw_q, dt_bias, A, lower_bound,
                                                scale, USE_LOWER_BOUND)
-        head_row = b * tl.num_programs(2) + h
+        head_row = (b * tl.num_programs(2) + h).to(tl.int64)  # workspace rows: int64 offsets
         NUM_VECTORS: tl.constexpr = 5 if CLOSED_FORM else 3
         vec_base = vectors_ptr + head_row * (BT * NUM_VECTORS * BK)
         # All BT rows are written: past the window (and past K) they hold finite

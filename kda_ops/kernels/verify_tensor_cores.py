@@ -76,7 +76,7 @@ def _window_terms_kernel(
                                                scale, USE_LOWER_BOUND)
         decays = tl.where(tile_mask, decays, 1.0)
         window_decays = tl.cumprod(decays, axis=0)
-        head_row = b * tl.num_programs(1) + h
+        head_row = (b * tl.num_programs(1) + h).to(tl.int64)  # workspace rows: int64 offsets
         terms_tile = terms_ptr + head_row * (2 * BT * BK) + steps[:, None] * BK + offs_k[None, :]
         tl.store(terms_tile, keys * window_decays)
         tl.store(terms_tile + BT * BK, queries * window_decays)
@@ -279,7 +279,7 @@ def _tensor_core_verify_kernel(
     mask_v = offs_v < V
     if valid:
         processed = tl.minimum(window, SPEC_LEN)
-        head_row = b * tl.num_programs(2) + h
+        head_row = (b * tl.num_programs(2) + h).to(tl.int64)  # workspace rows: int64 offsets
         steps = tl.arange(0, BT)
         # Column n < BT reads token n's E k, BT <= n < 2 BT token n - BT's E q.
         term_cols = terms_ptr + head_row * (2 * BT * BK) + tl.arange(0, NP) * BK
