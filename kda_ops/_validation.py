@@ -74,6 +74,12 @@ def _gate_params(A_log, dt_bias, num_heads, key_dim, device, num_layers=None):
               f"{lead + (num_heads * key_dim,)}, got {_shape(dt_bias)}")
 
 
+def _has_features(name, t, *sizes):
+    """Head and channel dims hold at least one element (the kernels tile them)."""
+    if any(size < 1 for size in sizes):
+        _fail(name, f"must have non-empty head / channel dims, got shape {_shape(t)}")
+
+
 def _has_null_block(name, t, num_blocks):
     if num_blocks < 1:
         _fail(name, f"must hold at least block 0, the null block, got shape {_shape(t)}")
@@ -103,6 +109,7 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     check_tensor("q", q, dtypes=ACTIVATION_DTYPES)
     device = q.device
     num_tokens, num_heads, key_dim = _token_view("q", q, 3)
+    _has_features("q", q, key_dim)
     for name, t in (("k", k), ("g", g)):
         check_tensor(name, t, dtypes=(q.dtype,), device=device)
         if _shape(t) != _shape(q):
@@ -112,6 +119,7 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     if v.dim() != q.dim() or v_shape[:2] != (num_tokens, num_heads):
         _fail("v", f"must have shape {_shape(q)[:-1] + ('V',)}, got {_shape(v)}")
     value_dim = v_shape[2]
+    _has_features("v", v, value_dim)
     check_tensor("beta", beta, dtypes=ACTIVATION_DTYPES, device=device)
     if beta.dim() != q.dim() - 1 or _token_view("beta", beta, 2) != (num_tokens, num_heads):
         _fail("beta", f"must have shape {_shape(q)[:-1]}, got {_shape(beta)}")
@@ -213,6 +221,7 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
     lead = tuple(state.shape[:1]) if stacked else ()
     num_layers = state.shape[0] if stacked else 1
     num_blocks, num_heads, value_dim, key_dim = state.shape[-4:]
+    _has_features("state", state, value_dim, key_dim)
     _has_null_block("state", state, num_blocks)
     check_tensor("correction", correction, shape=lead + (num_blocks, num_heads, None, value_dim),
                  dtypes=(torch.float32,), device=device)
@@ -230,6 +239,7 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
         check_tensor("conv_state", conv_state, shape=lead + (num_blocks, None, None),
                      dtypes=ACTIVATION_DTYPES, device=device, written=True)
         conv_dim = conv_state.shape[-2]
+        _has_features("conv_state", conv_state, conv_dim)
         conv_history = conv_state.shape[-1] - (spec_len - 1)
         if conv_history < 1:
             _fail("conv_state", f"must have W-1+T-1 >= T columns for T={spec_len} "
@@ -264,6 +274,7 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
     check_tensor("x", x, ndim=2, dtypes=ACTIVATION_DTYPES)
     device = x.device
     num_tokens, dim = x.shape
+    _has_features("x", x, dim)
     check_tensor("conv_state", conv_state, shape=(None, dim, None), dtypes=ACTIVATION_DTYPES,
                  device=device, written=True)
     _has_null_block("conv_state", conv_state, conv_state.shape[0])

@@ -242,6 +242,9 @@ def test_commit_opcheck(device):
 
 BAD_COMMIT_INPUTS = [
     ("state ndim", lambda a: a.update(state=a["state"][0, 0]), "state"),
+    ("state without keys", lambda a: a.update(state=a["state"][..., :0]), "state"),
+    ("conv without channels", lambda a: a.update(conv_state=a["conv_state"][..., :0, :]),
+     "conv_state"),
     ("state dtype", lambda a: a.update(state=a["state"].half()), "state"),
     ("state without blocks", lambda a: a.update(state=a["state"][:, :0]), "state"),
     ("state overlapping", lambda a: a.update(state=a["state"][:, :1].expand_as(a["state"])),

@@ -213,6 +213,7 @@ def test_conv_update_opcheck(device, transposed, with_bias, activation):
 
 BAD_CONV_INPUTS = [
     ("x ndim", lambda a: a.update(x=a["x"][None]), "x"),
+    ("x without channels", lambda a: a.update(x=a["x"][:, :0]), "x"),
     ("x dtype", lambda a: a.update(x=a["x"].double()), "x"),
     ("conv_state dim", lambda a: a.update(conv_state=a["conv_state"][:, :-1]), "conv_state"),
     ("conv_state dtype", lambda a: a.update(conv_state=a["conv_state"].double()), "conv_state"),

@@ -318,6 +318,8 @@ def test_verify_opcheck(device):
 
 BAD_VERIFY_INPUTS = [
     ("q ndim", lambda a: a.update(q=a["q"][0]), "q"),
+    ("q without keys", lambda a: a.update(q=a["q"][..., :0]), "q"),
+    ("v without values", lambda a: a.update(v=a["v"][..., :0]), "v"),
     ("q leading", lambda a: a.update(q=a["q"][None].expand(2, -1, -1, -1)), "q"),
     ("k dtype", lambda a: a.update(k=a["k"].double()), "k"),
     ("g shape", lambda a: a.update(g=a["g"][:-1]), "g"),
