@@ -137,6 +137,22 @@ def test_stage_tensor_count(device, impl, slots, count_shape):
         assert [t.cpu().tolist() for t in staged] == list(expected), f"count={count}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stage_int64_indices_into_int32(device, impl):
+    """int64 state indices past int32 are null; staged into int32 buffers they
+    must stay null, not wrap into real blocks."""
+    state_indices = torch.tensor([2**32 + 3, -(2**32) + 2, 5, 2**31 - 1, -(2**31)],
+                                 dtype=torch.int64, device=device)
+    starts = query_start_loc([1] * 5, device)
+    accepted = torch.ones(5, dtype=torch.int32, device=device)
+    staged = (torch.full((6,), -7, dtype=torch.int32, device=device),
+              torch.full((7,), -7, dtype=torch.int32, device=device),
+              torch.full((6,), -7, dtype=torch.int32, device=device))
+    call_stage(impl, (state_indices, starts, accepted), staged, 5)
+    assert staged[0].cpu().tolist() == [NULL_BLOCK, NULL_BLOCK, 5, 2**31 - 1, -(2**31), NULL_BLOCK]
+
+
 def test_stage_rejects_bad_arguments():
     gen = torch.Generator().manual_seed(2)
     sources, staged = make_stage_problem("cpu", 4, 6, None, gen)

@@ -84,7 +84,10 @@ def _stage_spec_decode_kernel(
     slot_ok = (slots < NUM_SLOTS)[None, :]
     indices = tl.load(state_indices_ptr + rows[:, None] * stride_si_row
                       + slots[None, :] * stride_si_slot,
-                      mask=real[:, None] & slot_ok, other=NULL_BLOCK)
+                      mask=real[:, None] & slot_ok, other=NULL_BLOCK).to(tl.int64)
+    # Indices past int32 are null anyway; made NULL_BLOCK, an int32 buffer
+    # cannot wrap them into real blocks.
+    indices = tl.where((indices >= -2**31) & (indices < 2**31), indices, NULL_BLOCK)
     tl.store(staged_state_indices_ptr + rows[:, None] * stride_staged_si_row
              + slots[None, :] * stride_staged_si_slot,
              indices, mask=in_batch[:, None] & slot_ok)
