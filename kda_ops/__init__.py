@@ -128,7 +128,8 @@ def stage_spec_decode_metadata(state_indices: Tensor, query_start_loc: Tensor,
     fills the rest as padding (SPEC §5):
 
     - `staged_state_indices[:n] = state_indices[:n]`, the rest NULL_BLOCK
-      (`[B]`, or `[B, slots]` like a 2-D `state_indices`);
+      (`[B]`, or `[B, slots]` like a 2-D `state_indices`); an index outside
+      int32, null for any cache, is staged as NULL_BLOCK;
     - `staged_query_start_loc[:n+1] = query_start_loc[:n+1]`, the rest
       `query_start_loc[n]` (padding windows are empty);
     - `staged_num_accepted_tokens[:n] = num_accepted_tokens[:n]`, the rest 1.
