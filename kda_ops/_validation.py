@@ -24,10 +24,13 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
-def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None, written=False):
+def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None, written=False,
+                 inner_dims=None):
     """Checks one tensor; `shape` entries of None match any size. A `written`
     tensor must not overlap itself (an expanded view would take one element's
-    writes from several programs in an undefined order)."""
+    writes from several programs in an undefined order). The kernels index
+    blocks, layers and tokens in int64 and the last `inner_dims` dims (one
+    block's or token's elements) in int32, so those must span < 2**31."""
     if not isinstance(t, torch.Tensor):
         _fail(name, f"must be a tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -47,6 +50,11 @@ def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None, wr
     if written and any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride())):
         _fail(name, f"is written, so it must not overlap itself, got strides {tuple(t.stride())} "
               f"for shape {_shape(t)}")
+    if inner_dims is not None and t.dim() >= inner_dims and sum(
+            (size - 1) * abs(stride) for size, stride in
+            zip(t.shape[t.dim() - inner_dims:], t.stride()[t.dim() - inner_dims:])) >= 2**31:
+        _fail(name, f"must keep each block's (or token's) elements within 2**31 elements of "
+              f"each other, got strides {tuple(t.stride())} for shape {_shape(t)}")
 
 
 def _token_view(name, t, leading_ndim):
@@ -106,41 +114,42 @@ class VerifyDims:
 
 def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                  query_start_loc, state_indices, lower_bound, out) -> VerifyDims:
-    check_tensor("q", q, dtypes=ACTIVATION_DTYPES)
+    check_tensor("q", q, dtypes=ACTIVATION_DTYPES, inner_dims=2)
     device = q.device
     num_tokens, num_heads, key_dim = _token_view("q", q, 3)
     _has_features("q", q, key_dim)
     for name, t in (("k", k), ("g", g)):
-        check_tensor(name, t, dtypes=(q.dtype,), device=device)
+        check_tensor(name, t, dtypes=(q.dtype,), device=device, inner_dims=2)
         if _shape(t) != _shape(q):
             _fail(name, f"must have the shape of q {_shape(q)}, got {_shape(t)}")
-    check_tensor("v", v, dtypes=(q.dtype,), device=device)
+    check_tensor("v", v, dtypes=(q.dtype,), device=device, inner_dims=2)
     v_shape = _token_view("v", v, 3)
     if v.dim() != q.dim() or v_shape[:2] != (num_tokens, num_heads):
         _fail("v", f"must have shape {_shape(q)[:-1] + ('V',)}, got {_shape(v)}")
     value_dim = v_shape[2]
     _has_features("v", v, value_dim)
-    check_tensor("beta", beta, dtypes=ACTIVATION_DTYPES, device=device)
+    check_tensor("beta", beta, dtypes=ACTIVATION_DTYPES, device=device, inner_dims=1)
     if beta.dim() != q.dim() - 1 or _token_view("beta", beta, 2) != (num_tokens, num_heads):
         _fail("beta", f"must have shape {_shape(q)[:-1]}, got {_shape(beta)}")
     _gate_params(A_log, dt_bias, num_heads, key_dim, device)
 
     check_tensor("state", state, shape=(None, num_heads, value_dim, key_dim),
-                 dtypes=STATE_DTYPES, device=device)
+                 dtypes=STATE_DTYPES, device=device, inner_dims=3)
     num_blocks = state.shape[0]
     _has_null_block("state", state, num_blocks)
     check_tensor("correction", correction, shape=(num_blocks, num_heads, None, value_dim),
-                 dtypes=(torch.float32,), device=device, written=True)
+                 dtypes=(torch.float32,), device=device, written=True, inner_dims=3)
     spec_len = correction.shape[2]
     if spec_len < 1:
         _fail("correction", f"must hold at least one token per window, got shape "
               f"{_shape(correction)}")
     check_tensor("key_gate", key_gate, shape=(num_blocks, num_heads, spec_len, 2 * key_dim),
-                 dtypes=(k.dtype,), device=device, written=True)
+                 dtypes=(k.dtype,), device=device, written=True, inner_dims=3)
     batch = _request_metadata(query_start_loc, state_indices, device)
     if out is None:
         _fail("out", "is required by torch.ops.kda_ops.verify (kda_ops.verify allocates it)")
-    check_tensor("out", out, shape=_shape(v), dtypes=(v.dtype,), device=device, written=True)
+    check_tensor("out", out, shape=_shape(v), dtypes=(v.dtype,), device=device, written=True,
+                 inner_dims=2)
     check_lower_bound(lower_bound)
     return VerifyDims(num_tokens, num_heads, key_dim, value_dim, num_blocks, spec_len, batch)
 
@@ -215,7 +224,7 @@ class CommitDims:
 def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                  correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
                  block_table, num_computed_tokens, block_size) -> tuple[CommitDims, PlanArgs]:
-    check_tensor("state", state, ndim=(4, 5), dtypes=STATE_DTYPES, written=True)
+    check_tensor("state", state, ndim=(4, 5), dtypes=STATE_DTYPES, written=True, inner_dims=3)
     device = state.device
     stacked = state.dim() == 5
     lead = tuple(state.shape[:1]) if stacked else ()
@@ -224,20 +233,20 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
     _has_features("state", state, value_dim, key_dim)
     _has_null_block("state", state, num_blocks)
     check_tensor("correction", correction, shape=lead + (num_blocks, num_heads, None, value_dim),
-                 dtypes=(torch.float32,), device=device)
+                 dtypes=(torch.float32,), device=device, inner_dims=3)
     spec_len = correction.shape[-2]
     if spec_len < 1:
         _fail("correction", f"must hold at least one token per window, got shape "
               f"{_shape(correction)}")
     check_tensor("key_gate", key_gate, shape=lead + (num_blocks, num_heads, spec_len, 2 * key_dim),
-                 dtypes=ACTIVATION_DTYPES, device=device)
+                 dtypes=ACTIVATION_DTYPES, device=device, inner_dims=3)
     _gate_params(A_log, dt_bias, num_heads, key_dim, device,
                  num_layers=num_layers if stacked else None)
     check_lower_bound(lower_bound)
     conv_dim, conv_history = 0, 0
     if conv_state is not None:
         check_tensor("conv_state", conv_state, shape=lead + (num_blocks, None, None),
-                     dtypes=ACTIVATION_DTYPES, device=device, written=True)
+                     dtypes=ACTIVATION_DTYPES, device=device, written=True, inner_dims=2)
         conv_dim = conv_state.shape[-2]
         _has_features("conv_state", conv_state, conv_dim)
         conv_history = conv_state.shape[-1] - (spec_len - 1)
@@ -271,12 +280,12 @@ class ConvDims:
 
 def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
                       out) -> ConvDims:
-    check_tensor("x", x, ndim=2, dtypes=ACTIVATION_DTYPES)
+    check_tensor("x", x, ndim=2, dtypes=ACTIVATION_DTYPES, inner_dims=1)
     device = x.device
     num_tokens, dim = x.shape
     _has_features("x", x, dim)
     check_tensor("conv_state", conv_state, shape=(None, dim, None), dtypes=ACTIVATION_DTYPES,
-                 device=device, written=True)
+                 device=device, written=True, inner_dims=2)
     _has_null_block("conv_state", conv_state, conv_state.shape[0])
     check_tensor("weight", weight, shape=(dim, None), dtypes=ACTIVATION_DTYPES, device=device)
     width = weight.shape[1]
@@ -295,7 +304,7 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
         _fail("out", "is required by torch.ops.kda_ops.conv_update "
               "(kda_ops.conv_update allocates it)")
     check_tensor("out", out, shape=_shape(x), dtypes=ACTIVATION_DTYPES, device=device,
-                 written=True)
+                 written=True, inner_dims=1)
     return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch)
 
 

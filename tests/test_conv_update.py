@@ -211,9 +211,17 @@ def test_conv_update_opcheck(device, transposed, with_bias, activation):
                           {"activation": activation, "out": torch.empty_like(args["x"])})
 
 
+def channels_far_apart(x):
+    """`x`'s shape with its channels 2**31 elements apart: a bf16 view of about
+    5 GB of address space, none of it touched."""
+    tokens, dim = x.shape
+    return torch.empty(dim, 2**31 // (dim - 1) + tokens, dtype=torch.bfloat16)[:, :tokens].t()
+
+
 BAD_CONV_INPUTS = [
     ("x ndim", lambda a: a.update(x=a["x"][None]), "x"),
     ("x without channels", lambda a: a.update(x=a["x"][:, :0]), "x"),
+    ("x channels past int32", lambda a: a.update(x=channels_far_apart(a["x"])), "x"),
     ("x dtype", lambda a: a.update(x=a["x"].double()), "x"),
     ("conv_state dim", lambda a: a.update(conv_state=a["conv_state"][:, :-1]), "conv_state"),
     ("conv_state dtype", lambda a: a.update(conv_state=a["conv_state"].double()), "conv_state"),
