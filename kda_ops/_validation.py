@@ -24,6 +24,15 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
+def _is_int(value):
+    # A SymInt is what Dynamo passes for an int it traces as dynamic.
+    return not isinstance(value, bool) and isinstance(value, (int, torch.SymInt))
+
+
+def _is_float(value):
+    return _is_int(value) or isinstance(value, (float, torch.SymFloat))
+
+
 def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None, written=False,
                  inner_dims=None):
     """Checks one tensor; `shape` entries of None match any size. A `written`
@@ -349,15 +358,6 @@ def check_stage_spec_decode_metadata(state_indices, query_start_loc, num_accepte
               f"state_indices and of staged_state_indices) or a one-element tensor, "
               f"got {num_spec_decodes!r}")
     return count_limit
-
-
-def _is_int(value):
-    # A SymInt is what Dynamo passes for an int it traces as dynamic.
-    return not isinstance(value, bool) and isinstance(value, (int, torch.SymInt))
-
-
-def _is_float(value):
-    return _is_int(value) or isinstance(value, (float, torch.SymFloat))
 
 
 def check_int(name, value):
