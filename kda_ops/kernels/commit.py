@@ -15,6 +15,27 @@ from .conv import conv_config
 
 
 @triton.jit
+def _fold_records(state, start, stop, kg_row, corr_row, stride_kg_tok, stride_kg_dim,
+                  stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, K: tl.constexpr,
+                  USE_LOWER_BOUND: tl.constexpr, RECORD_STAGES: tl.constexpr):
+    """The state tile after the recorded tokens `start..stop-1`."""
+    # Triton's pipeliner requests the next tokens' records (through shared
+    # memory) while a token is folded: these loads bounded the fold. On an
+    # H200 pipelining took T = 8 from 72% to 93% of copy (stages: see
+    # commit_config); register prefetch one or two tokens ahead, or the
+    # loop unrolled, were slower at T = 8 (docs/performance.md).
+    for t in tl.range(start, stop, num_stages=RECORD_STAGES):
+        raw_k = tl.load(kg_row + t * stride_kg_tok, mask=mask_k, other=0.0).to(tl.float32)
+        raw_g = tl.load(kg_row + t * stride_kg_tok + K * stride_kg_dim, mask=mask_k,
+                    other=0.0).to(tl.float32)
+        u = tl.load(corr_row + t * stride_c_tok, mask=mask_v, other=0.0)
+        kn = l2_normalize(raw_k, 1.0)
+        decay = tl.exp(kda_gate(raw_g, dt_bias, A, lower_bound, USE_LOWER_BOUND))
+        state = state * decay[None, :] + u[:, None] * kn[None, :]
+    return state
+
+
+@triton.jit
 def _commit_state_kernel(
     state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr,
     accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
@@ -79,23 +100,18 @@ def _commit_state_kernel(
                     + h * stride_c_head + offs_v * stride_c_dim)
         kg_row = (key_gate_ptr + layer * stride_kg_layer + source * stride_kg_blk
                   + h * stride_kg_head + offs_k * stride_kg_dim)
-        # Triton's pipeliner requests the next tokens' records (through shared
-        # memory) while a token is folded: these loads bounded the fold. On an
-        # H200 pipelining took T = 8 from 72% to 93% of copy (stages: see
-        # commit_config); register prefetch one or two tokens ahead, or the
-        # loop unrolled, were slower at T = 8 (docs/performance.md).
-        for t in tl.range(0, commit, num_stages=RECORD_STAGES):
-            raw_k = tl.load(kg_row + t * stride_kg_tok, mask=mask_k, other=0.0).to(tl.float32)
-            raw_g = tl.load(kg_row + t * stride_kg_tok + K * stride_kg_dim, mask=mask_k,
-                            other=0.0).to(tl.float32)
-            u = tl.load(corr_row + t * stride_c_tok, mask=mask_v, other=0.0)
-            kn = l2_normalize(raw_k, 1.0)
-            decay = tl.exp(kda_gate(raw_g, dt_bias, A, lower_bound, USE_LOWER_BOUND))
-            state = state * decay[None, :] + u[:, None] * kn[None, :]
-            if ALIGN:
-                if boundary_ok & (t + 1 == recovery):
-                    tl.store(head_base + boundary * stride_s_blk + tile, state,
-                             mask=mask_tile)
+        # Align mode folds in two runs, up to the boundary and after it, so
+        # that no store sits inside a pipelined loop (it made the loop spill).
+        split = tl.where(boundary_ok, tl.minimum(recovery, commit), 0) if ALIGN else 0
+        state = _fold_records(state, 0, split, kg_row, corr_row, stride_kg_tok, stride_kg_dim,
+                              stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, K,
+                              USE_LOWER_BOUND, RECORD_STAGES)
+        if ALIGN:
+            if boundary_ok:
+                tl.store(head_base + boundary * stride_s_blk + tile, state, mask=mask_tile)
+        state = _fold_records(state, split, commit, kg_row, corr_row, stride_kg_tok, stride_kg_dim,
+                              stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, K,
+                              USE_LOWER_BOUND, RECORD_STAGES)
         if final_ok:
             tl.store(head_base + final * stride_s_blk + tile, state, mask=mask_tile)
 
