@@ -27,7 +27,7 @@ def _fold_records(state, start, stop, kg_row, corr_row, stride_kg_tok, stride_kg
     for t in tl.range(start, stop, num_stages=RECORD_STAGES):
         raw_k = tl.load(kg_row + t * stride_kg_tok, mask=mask_k, other=0.0).to(tl.float32)
         raw_g = tl.load(kg_row + t * stride_kg_tok + K * stride_kg_dim, mask=mask_k,
-                    other=0.0).to(tl.float32)
+                        other=0.0).to(tl.float32)
         u = tl.load(corr_row + t * stride_c_tok, mask=mask_v, other=0.0)
         kn = l2_normalize(raw_k, 1.0)
         decay = tl.exp(kda_gate(raw_g, dt_bias, A, lower_bound, USE_LOWER_BOUND))
@@ -100,16 +100,17 @@ def _commit_state_kernel(
                     + h * stride_c_head + offs_v * stride_c_dim)
         kg_row = (key_gate_ptr + layer * stride_kg_layer + source * stride_kg_blk
                   + h * stride_kg_head + offs_k * stride_kg_dim)
-        # Align mode folds in two runs, up to the boundary and after it, so
-        # that no store sits inside a pipelined loop (it made the loop spill).
-        split = tl.where(boundary_ok, tl.minimum(recovery, commit), 0) if ALIGN else 0
-        state = _fold_records(state, 0, split, kg_row, corr_row, stride_kg_tok, stride_kg_dim,
-                              stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, K,
-                              USE_LOWER_BOUND, RECORD_STAGES)
+        folded = 0
         if ALIGN:
+            # Up to the boundary, then the rest: a store inside the pipelined
+            # loop made it spill (H200: 1.6-1.9% slower, docs/performance.md).
+            folded = tl.where(boundary_ok, tl.minimum(recovery, commit), 0)
+            state = _fold_records(state, 0, folded, kg_row, corr_row, stride_kg_tok,
+                                  stride_kg_dim, stride_c_tok, mask_k, mask_v, dt_bias, A,
+                                  lower_bound, K, USE_LOWER_BOUND, RECORD_STAGES)
             if boundary_ok:
                 tl.store(head_base + boundary * stride_s_blk + tile, state, mask=mask_tile)
-        state = _fold_records(state, split, commit, kg_row, corr_row, stride_kg_tok, stride_kg_dim,
+        state = _fold_records(state, folded, commit, kg_row, corr_row, stride_kg_tok, stride_kg_dim,
                               stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, K,
                               USE_LOWER_BOUND, RECORD_STAGES)
         if final_ok:
