@@ -100,11 +100,21 @@ def setup_verify(shape, device):
 
 
 # Bytes each op must move: every input read once, every output written once.
+def _state_block_bytes(shape):
+    """One block's state, all heads of one layer."""
+    return shape.heads * shape.value_dim * shape.key_dim * shape.state_dtype.itemsize
+
+
+def _conv_history_bytes(shape):
+    """One block's convolution history (W - 1 columns), one layer."""
+    return shape.conv_dim * (shape.conv_width - 1) * shape.act_dtype.itemsize
+
+
 def verify_bytes(shape):
     """One layer's verify: state, q k g v beta read; out and records written."""
     H, K, V, n = shape.heads, shape.key_dim, shape.value_dim, shape.tokens
     act = shape.act_dtype.itemsize
-    return (shape.batch * H * V * K * shape.state_dtype.itemsize
+    return (shape.batch * _state_block_bytes(shape)
             + n * H * (3 * K + V + 1) * act + n * H * V * act + n * H * (V * 4 + 2 * K * act))
 
 
@@ -121,9 +131,9 @@ def commit_bytes(shape, accepted):
     written, records read, conv history read and written."""
     L, H, K, V = shape.layers, shape.heads, shape.key_dim, shape.value_dim
     act = shape.act_dtype.itemsize
-    per_request = L * (2 * H * V * K * shape.state_dtype.itemsize
+    per_request = L * (2 * _state_block_bytes(shape)
                        + accepted * H * (V * 4 + 2 * K * act)
-                       + 2 * shape.conv_dim * (shape.conv_width - 1) * act)
+                       + 2 * _conv_history_bytes(shape))
     return shape.batch * per_request
 
 
@@ -131,8 +141,7 @@ def commit_align_bytes(shape):
     """commit_bytes of T tokens, plus what align mode writes besides when every
     window crosses a block boundary: each request's and layer's state and conv
     history at the boundary."""
-    boundary = (shape.heads * shape.value_dim * shape.key_dim * shape.state_dtype.itemsize
-                + shape.conv_dim * (shape.conv_width - 1) * shape.act_dtype.itemsize)
+    boundary = _state_block_bytes(shape) + _conv_history_bytes(shape)
     return commit_bytes(shape, shape.spec_len) + shape.batch * shape.layers * boundary
 
 

@@ -274,7 +274,8 @@ def stage_spec_decode_metadata(state_indices, query_start_loc, num_accepted_toke
     picked = torch.cat([state_indices, null_row])[source_row]
     # As the kernel: indices past int32 (null anyway) become NULL_BLOCK, so that
     # an int32 buffer cannot wrap them into real blocks.
-    fits = (picked.long() >= -2**31) & (picked.long() < 2**31)
+    wide = picked.long()
+    fits = (wide >= -2**31) & (wide < 2**31)
     staged_state_indices.copy_(torch.where(fits, picked, NULL_BLOCK))
     accepted = torch.cat([num_accepted_tokens[:source_rows], num_accepted_tokens.new_ones(1)])
     staged_num_accepted_tokens.copy_(accepted[source_row])
