@@ -89,6 +89,11 @@ def clone_caches(caches):
     return type(caches)(*(t.clone() for t in caches))
 
 
+def clone_args(args):
+    """A copy of an op's keyword arguments with every tensor cloned."""
+    return {name: (a.clone() if isinstance(a, torch.Tensor) else a) for name, a in args.items()}
+
+
 # ---------------------------------------------------------------- op problems
 def _qsl(lens, device):
     out = torch.zeros(len(lens) + 1, dtype=torch.int32)

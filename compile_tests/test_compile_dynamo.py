@@ -11,8 +11,8 @@ from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import kda_ops
 from compile_helpers import (DEVICES, NOT_UNDER_INTERPRETER, assert_caches_close, assert_close,
-                             kda_call_targets, model_copy, op_problems, render_kda_calls,
-                             run_batches_1_to_64, step_inputs, tiny_model)
+                             clone_args, kda_call_targets, model_copy, op_problems,
+                             render_kda_calls, run_batches_1_to_64, step_inputs, tiny_model)
 
 pytestmark = NOT_UNDER_INTERPRETER
 
@@ -138,10 +138,6 @@ def test_dynamo_graph_lists_every_op():
         "kda_ops.conv_update.default", "kda_ops.verify.default", "kda_ops.commit.default"]
 
 
-def _cloned(args):
-    return {name: (a.clone() if isinstance(a, torch.Tensor) else a) for name, a in args.items()}
-
-
 def _permuted_dense(t):
     """The same values in a dense layout whose first two dims are swapped in
     memory: `empty_like` keeps that layout, so an allocated `out` is strided."""
@@ -175,7 +171,7 @@ def test_strided_out_compiles_fullgraph(device):
     for fn, args in ((verify_into_slice, verify_args), (verify_permuted_v, verify_args),
                      (conv_into_slice_permuted_x, conv_args)):
         torch._dynamo.reset()
-        eager_args, compiled_args = _cloned(args), _cloned(args)
+        eager_args, compiled_args = clone_args(args), clone_args(args)
         expected = fn(eager_args)
         out = torch.compile(fn, backend="aot_eager", fullgraph=True)(compiled_args)
         assert torch.equal(out, expected), fn.__name__
@@ -201,7 +197,7 @@ def test_align_block_size_traced_as_symbol(device):
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
     for block_size in (8, 3):
-        eager_commit, compiled_commit = _cloned(commit_args), _cloned(commit_args)
+        eager_commit, compiled_commit = clone_args(commit_args), clone_args(commit_args)
         expected = step(plan_args, eager_commit, block_size)
         assert torch.equal(compiled(plan_args, compiled_commit, block_size), expected)
         for name in ("state", "conv_state"):

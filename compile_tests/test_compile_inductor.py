@@ -18,7 +18,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import kda_ops.kernels
 
 from compile_helpers import (DEVICES, LAYER_COUNTS, NOT_UNDER_INTERPRETER,
-                             assert_caches_close, assert_close,
+                             assert_caches_close, assert_close, clone_args,
                              declared_mutations, kernel_writes, model_copy, op_problems,
                              requires_cuda, run_batches_1_to_64, stand_in_cuda_target,
                              step_inputs, tiny_model)
@@ -60,7 +60,7 @@ def test_inductor_metadata_ops_cpu():
         torch.ops.kda_ops.stage_spec_decode_metadata_tensor_count(**stage)
         return torch.stack(columns), slots * 2
 
-    stage_eager = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in stage.items()}
+    stage_eager = clone_args(stage)
     expected = fn(plan, aligned, stage_eager)
     out = torch.compile(fn, backend="inductor", fullgraph=True)(plan, aligned, stage)
     for a, b in zip(out, expected):
