@@ -7,6 +7,10 @@ implementation, so it reads no tensor values.
 
 Custom ops take no keyword-only tensors, so the op schemas keep SPEC §6's
 argument order with every argument positional-or-keyword.
+
+An op that writes its arguments stays one opaque node when torch.compile or
+AOTInductor functionalizes a graph (`opaque_when_functionalized`); only the
+ops that write nothing but their own outputs are decomposed into their kernels.
 """
 
 import os
@@ -15,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op
 
 from . import torch_impl
@@ -33,6 +38,24 @@ def use_triton(t: Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and t.device.type == "cpu" and not is_fake(t)
 
 
+def opaque_when_functionalized(op):
+    """Makes functionalization keep `op` as one node (auto-functionalized: the
+    written tensors, views of a stacked cache included, are tracked through
+    their base and written in place) instead of replacing it by its Triton
+    launches. triton_op decomposes by default, and Inductor then clones each
+    written argument for the kernel: for a view at a non-zero offset (a layer
+    slice `state[l]`, l >= 1) it sized the clone as the view but addressed it
+    at the view's offset, so the kernel read and wrote past it (torch 2.11 on
+    CUDA: wrong values, or an illegal memory access with large caches).
+    Applies on every device, so that CPU graphs have the same shape."""
+    def functionalize_opaque(mode, overload, types, args, kwargs):
+        return mode.__torch_dispatch__(overload, types, args, kwargs)
+
+    op.register_torch_dispatch(FunctionalTensorMode, functionalize_opaque)
+    return op
+
+
+@opaque_when_functionalized
 @triton_op("kda_ops::verify", mutates_args={"correction", "key_gate", "out"})
 def verify(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
@@ -51,6 +74,7 @@ def verify(
          query_start_loc, state_indices, lower_bound, scale, out, dims)
 
 
+@opaque_when_functionalized
 @triton_op("kda_ops::commit", mutates_args={"state", "conv_state"})
 def commit(
     num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: Tensor,
@@ -87,6 +111,7 @@ def commit_plan(
     return tuple(column.to(torch.int32) for column in plan)
 
 
+@opaque_when_functionalized
 @triton_op("kda_ops::conv_update", mutates_args={"conv_state", "out"})
 def conv_update(
     x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -129,6 +154,7 @@ def _stage(state_indices, query_start_loc, num_accepted_tokens, staged_state_ind
 # Two schemas, one per type of the count: an int is baked into the traced graph
 # (and into a captured CUDA graph), a one-element tensor is read on the device,
 # so one captured graph serves every count.
+@opaque_when_functionalized
 @triton_op("kda_ops::stage_spec_decode_metadata", mutates_args=STAGED_BUFFERS)
 def stage_spec_decode_metadata(
     state_indices: Tensor, query_start_loc: Tensor, num_accepted_tokens: Tensor,
@@ -139,6 +165,7 @@ def stage_spec_decode_metadata(
            staged_query_start_loc, staged_num_accepted_tokens, num_spec_decodes)
 
 
+@opaque_when_functionalized
 @triton_op("kda_ops::stage_spec_decode_metadata_tensor_count", mutates_args=STAGED_BUFFERS)
 def stage_spec_decode_metadata_tensor_count(
     state_indices: Tensor, query_start_loc: Tensor, num_accepted_tokens: Tensor,
