@@ -11,6 +11,8 @@ the end-to-end checks and the benchmark drive it. Per layer `l`:
 and after sampling, ONE `kda_ops.commit` folds the accepted prefix into the
 checkpoints and compacts the convolution history of every layer at once (the
 caches are stacked `[num_layers, num_blocks, ...]`, each layer uses its slice).
+With `cache_layout="per_layer"` each layer's caches are separate tensors
+instead, and the commit runs the single-layer form once per layer.
 
 With `projections=False` (what the benchmark uses) there are no matmuls: the
 input row is `[mixed | g | beta]` (width D + H*K + H), every layer reads the
@@ -45,11 +47,13 @@ import kda_ops
 
 
 class KDACaches(NamedTuple):
-    """The per-block caches of every layer, stacked on a leading layer dim.
+    """The per-block caches of every layer: each field a tensor stacked on a
+    leading layer dim (`cache_layout="stacked"`), or a tuple of one tensor per
+    layer (`"per_layer"`); `caches.state[l]` is layer l's either way.
 
-    `conv_state` is the storage tensor in the model's `conv_layout`;
-    `KDADecodeStep.conv_state_dim_first(caches)` gives the `[L, N, D, cols]`
-    view the ops take."""
+    `conv_state` is the storage in the model's `conv_layout`;
+    `KDADecodeStep.conv_state_dim_first(caches)` gives the `[(L,) N, D, cols]`
+    views the ops take."""
 
     state: Tensor
     conv_state: Tensor
@@ -75,6 +79,10 @@ class KDADecodeStep(nn.Module):
         state_dtype: checkpoint dtype (float32 or bfloat16).
         conv_layout: "dim_first" stores conv state `[L, N, D, cols]`; "token_first"
             stores an engine-like `[L, N, cols, D]` and passes it transposed.
+        cache_layout: "stacked" keeps each cache as one `[L, N, ...]` tensor
+            (one commit launch covers every layer); "per_layer" keeps one
+            tensor per layer (buffers `state_0`, `state_1`, ...) and commits
+            layer by layer.
         lower_bound: the KDA gate's lower bound (negative float) or None.
         seed: seeds the parameter initialisation (CPU generator, so the same
             parameters on every device).
@@ -97,11 +105,13 @@ class KDADecodeStep(nn.Module):
                  value_dim: Optional[int] = None, projections: bool = True,
                  hidden_size: Optional[int] = None, dtype: torch.dtype = torch.float32,
                  state_dtype: torch.dtype = torch.float32, conv_layout: str = "dim_first",
-                 lower_bound: Optional[float] = None, seed: int = 0,
+                 cache_layout: str = "stacked", lower_bound: Optional[float] = None, seed: int = 0,
                  device: torch.device | str | None = None):
         super().__init__()
         if conv_layout not in ("dim_first", "token_first"):
             raise ValueError(f"conv_layout must be 'dim_first' or 'token_first', got {conv_layout!r}")
+        if cache_layout not in ("stacked", "per_layer"):
+            raise ValueError(f"cache_layout must be 'stacked' or 'per_layer', got {cache_layout!r}")
         if num_layers < 1 or spec_len < 1 or conv_width < 2 or num_blocks < 2:
             raise ValueError("need num_layers >= 1, spec_len >= 1, conv_width >= 2, num_blocks >= 2")
         L, H, K = num_layers, num_heads, head_dim
@@ -119,6 +129,7 @@ class KDADecodeStep(nn.Module):
                 raise ValueError(f"without projections the input width is D + H*K + H = "
                                  f"{self.hidden_size}, got hidden_size={hidden_size}")
         self.dtype, self.state_dtype, self.conv_layout = dtype, state_dtype, conv_layout
+        self.cache_layout = cache_layout
         self.lower_bound = lower_bound
         E, D = self.hidden_size, self.conv_dim
 
@@ -141,7 +152,11 @@ class KDADecodeStep(nn.Module):
         self.dt_bias = param(L, H, K, scale=0.5, dtype=torch.float32)
 
         for name, value in self.empty_caches(device=device)._asdict().items():
-            self.register_buffer(name, value)
+            if cache_layout == "stacked":
+                self.register_buffer(name, value)
+            else:
+                for layer, tensor in enumerate(value):
+                    self.register_buffer(f"{name}_{layer}", tensor)
 
     @classmethod
     def for_benchmark(cls, shape, device, *, num_blocks: Optional[int] = None,
@@ -171,43 +186,64 @@ class KDADecodeStep(nn.Module):
     def cache_dtypes(self) -> KDACaches:
         return KDACaches(self.state_dtype, self.dtype, torch.float32, self.dtype)
 
+    def _in_layout(self, stacked: KDACaches) -> KDACaches:
+        """Stacked caches as this model keeps them (per layer: one tensor each)."""
+        if self.cache_layout == "stacked":
+            return stacked
+        return KDACaches(*(tuple(t[layer].clone() for layer in range(self.num_layers))
+                           for t in stacked))
+
     def empty_caches(self, device=None) -> KDACaches:
-        """New zero caches of this model's shapes (a set separate from the buffers)."""
+        """New zero caches of this model's shapes and layout (a set separate from
+        the buffers)."""
         device = self.A_log.device if device is None else device
-        return KDACaches(*(torch.zeros(shape, dtype=dtype, device=device)
-                           for shape, dtype in zip(self.cache_shapes(), self.cache_dtypes())))
+        return self._in_layout(KDACaches(*(
+            torch.zeros(shape, dtype=dtype, device=device)
+            for shape, dtype in zip(self.cache_shapes(), self.cache_dtypes()))))
 
     def random_caches(self, seed: int = 0, device=None) -> KDACaches:
         """New caches filled with N(0, 1) values (drawn on CPU: the same values on
-        every device). Tests compare on such data, never on zeros."""
+        every device and in either layout). Tests compare on such data, never on
+        zeros."""
         gen = torch.Generator().manual_seed(seed)
         device = self.A_log.device if device is None else device
-        return KDACaches(*(torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-                           for shape, dtype in zip(self.cache_shapes(), self.cache_dtypes())))
+        return self._in_layout(KDACaches(*(
+            torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+            for shape, dtype in zip(self.cache_shapes(), self.cache_dtypes()))))
 
     @torch.no_grad()
     def randomize_caches(self, seed: int = 0) -> None:
         """Fills the registered buffers with N(0, 1) values in place, drawn on
-        their device (no host copy; for large benchmark caches)."""
-        device = self.state.device
+        their device (no host copy; for large caches)."""
+        device = self.A_log.device
         gen = torch.Generator(device=device).manual_seed(seed)
-        for buffer in self.buffers_as_caches():
+        for buffer in cache_tensors(self.buffers_as_caches()):
             buffer.normal_(generator=gen)
 
     def buffers_as_caches(self) -> KDACaches:
         """The registered buffers (the caches used when `caches=None`)."""
-        return KDACaches(self.state, self.conv_state, self.correction, self.key_gate)
+        if self.cache_layout == "stacked":
+            return KDACaches(self.state, self.conv_state, self.correction, self.key_gate)
+        return KDACaches(*(tuple(getattr(self, f"{name}_{layer}")
+                                 for layer in range(self.num_layers))
+                           for name in KDACaches._fields))
 
     @torch.no_grad()
     def load_caches(self, caches: KDACaches) -> None:
-        """Copies `caches` into the registered buffers (in place: addresses stay)."""
-        for buffer, value in zip(self.buffers_as_caches(), caches):
+        """Copies `caches` (this model's layout) into the registered buffers (in
+        place: addresses stay)."""
+        for buffer, value in zip(cache_tensors(self.buffers_as_caches()), cache_tensors(caches)):
             buffer.copy_(value)
 
-    def conv_state_dim_first(self, caches: Optional[KDACaches] = None) -> Tensor:
-        """The `[L, N, D, W-1+T-1]` view of the conv state that the ops take."""
+    def conv_state_dim_first(self, caches: Optional[KDACaches] = None):
+        """The `[L, N, D, W-1+T-1]` view of the conv state that the ops take
+        (per layer: a tuple of `[N, D, W-1+T-1]` views)."""
         conv = (caches if caches is not None else self.buffers_as_caches()).conv_state
-        return conv if self.conv_layout == "dim_first" else conv.transpose(-1, -2)
+        if self.conv_layout == "dim_first":
+            return conv
+        if self.cache_layout == "stacked":
+            return conv.transpose(-1, -2)
+        return tuple(layer.transpose(-1, -2) for layer in conv)
 
     # ------------------------------------------------------------------ step
     def forward(self, hidden: Tensor, query_start_loc: Tensor, state_indices: Tensor,
@@ -246,12 +282,21 @@ class KDADecodeStep(nn.Module):
     def commit(self, num_accepted_tokens: Tensor, state_indices: Tensor,
                query_start_loc: Tensor, caches: Optional[KDACaches] = None) -> None:
         """Folds each request's accepted prefix of its last window into its
-        checkpoint and compacts its conv history: all layers, one op."""
+        checkpoint and compacts its conv history: all layers in one op, or one
+        op per layer with per-layer caches."""
         c = caches if caches is not None else self.buffers_as_caches()
-        kda_ops.commit(num_accepted_tokens, state_indices, query_start_loc, state=c.state,
-                       conv_state=self.conv_state_dim_first(c), correction=c.correction,
-                       key_gate=c.key_gate, A_log=self.A_log, dt_bias=self.dt_bias,
-                       lower_bound=self.lower_bound)
+        conv = self.conv_state_dim_first(c)
+        if self.cache_layout == "stacked":
+            kda_ops.commit(num_accepted_tokens, state_indices, query_start_loc, state=c.state,
+                           conv_state=conv, correction=c.correction, key_gate=c.key_gate,
+                           A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound)
+            return
+        for layer in range(self.num_layers):
+            kda_ops.commit(num_accepted_tokens, state_indices, query_start_loc,
+                           state=c.state[layer], conv_state=conv[layer],
+                           correction=c.correction[layer], key_gate=c.key_gate[layer],
+                           A_log=self.A_log[layer], dt_bias=self.dt_bias[layer],
+                           lower_bound=self.lower_bound)
 
     def decode_step(self, hidden: Tensor, query_start_loc: Tensor, state_indices: Tensor,
                     num_accepted_tokens: Tensor, caches: Optional[KDACaches] = None) -> Tensor:
@@ -296,7 +341,13 @@ class KDADecodeStep(nn.Module):
                 f"value_dim={self.value_dim}, spec_len={self.spec_len}, "
                 f"conv_width={self.conv_width}, num_blocks={self.num_blocks}, "
                 f"projections={self.projections}, hidden={self.hidden_size}, dtype={self.dtype}, "
-                f"conv_layout={self.conv_layout}, lower_bound={self.lower_bound}")
+                f"conv_layout={self.conv_layout}, cache_layout={self.cache_layout}, "
+                f"lower_bound={self.lower_bound}")
+
+
+def cache_tensors(caches: KDACaches) -> list[Tensor]:
+    """Every tensor of `caches`, in field order (then layer order, per layer)."""
+    return [t for field in caches for t in ((field,) if isinstance(field, Tensor) else field)]
 
 
 def make_step_inputs(model: KDADecodeStep, window_lens, *, seed: int = 0,
@@ -325,4 +376,4 @@ def make_step_inputs(model: KDADecodeStep, window_lens, *, seed: int = 0,
     return tuple(t.to(device) for t in (hidden, qsl, state_indices, accepted))
 
 
-__all__ = ["KDACaches", "KDADecodeStep", "make_step_inputs"]
+__all__ = ["KDACaches", "KDADecodeStep", "cache_tensors", "make_step_inputs"]
