@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from kda_ops.models import KDACaches, KDADecodeStep, make_step_inputs
+from kda_ops.models import KDACaches, KDADecodeStep, cache_tensors, make_step_inputs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -26,22 +26,13 @@ NOT_UNDER_INTERPRETER = pytest.mark.skipif(
     "eager numerics only (tests/)")
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
-# Seen on the H200 machine's torch 2.11 (2026-12-02): when one graph mutates
-# several layer slices of a stacked cache (conv_update/verify per layer, then
-# commit of the whole stack), Inductor clones the slice of layer >= 1 out of a
-# temporary the size of ONE slice and then addresses it at the slice's offset
-# (its output code: `reinterpret_tensor(buf, ..., 768)` of a buffer filled by
-# copying 1536 elements out of a 768-element one), so layer >= 1 reads and keeps
-# out-of-bounds values. A graph of the layers alone (no commit) fails the same
-# way. Upstream: pytorch/pytorch#161115 and #192226 (fix PRs #184050, reverted,
-# and #192227). Strict: the day it passes, drop the mark.
-INDUCTOR_STACKED_SLICE_BUG = pytest.mark.xfail(
-    HAS_CUDA and torch.__version__ < (2, 12), strict=True,
-    reason="torch 2.11 Inductor: mutated slices of a stacked cache are cloned from an "
-    "undersized temporary (pytorch/pytorch#161115, #192226); see docs/compile.md")
-# Layer counts of the CUDA Inductor checks: one layer has no slice at a non-zero
-# offset, so it runs unmarked beside the marked two-layer model.
-LAYER_COUNTS = [1, pytest.param(2, marks=INDUCTOR_STACKED_SLICE_BUG)]
+# Layer counts of the CUDA compile checks: one layer has no cache slice at a
+# non-zero offset; 2, 4 and 16 have (the case that a decomposed op got wrong).
+LAYER_COUNTS = [1, 2, 4, 16]
+# The CUDA checks' stacked state is at least this large (and the other caches
+# about as large), so that an access outside a layer's slice, or outside a
+# temporary sized as one, faults instead of reading neighbouring memory.
+LARGE_STATE_BYTES = 1 << 30
 
 # The reference model of the compile tests: tiny, fp32, every feature on.
 TINY = dict(num_layers=2, num_heads=2, head_dim=16, spec_len=3, conv_width=4, num_blocks=8,
@@ -55,6 +46,28 @@ def tiny_model(device, *, seed=0, cache_seed=1, **overrides) -> KDADecodeStep:
     return model
 
 
+def large_cache_model(device, num_layers, *, seed=0, cache_seed=1, **overrides) -> KDADecodeStep:
+    """The tiny model with as many blocks as make its stacked state at least
+    LARGE_STATE_BYTES, its caches drawn on the device (random, never zero)."""
+    config = {**TINY, **overrides, "num_layers": num_layers}
+    head_dim = config["head_dim"]
+    state_dtype = config.get("state_dtype", torch.float32)
+    block_bytes = num_layers * config["num_heads"] * head_dim * head_dim * state_dtype.itemsize
+    config["num_blocks"] = -(-LARGE_STATE_BYTES // block_bytes) + 1
+    model = KDADecodeStep(**config, seed=seed, device=device)
+    model.randomize_caches(cache_seed)
+    return model
+
+
+def device_random_caches(model, seed):
+    """New random caches of the model's shapes and layout, drawn on its device."""
+    caches = model.empty_caches()
+    gen = torch.Generator(device=model.A_log.device).manual_seed(seed)
+    for t in cache_tensors(caches):
+        t.normal_(generator=gen)
+    return caches
+
+
 def model_copy(model: KDADecodeStep) -> KDADecodeStep:
     """An independent copy (parameters and caches) to run eagerly beside a compiled one."""
     return copy.deepcopy(model)
@@ -65,7 +78,8 @@ def step_inputs(model, lens, seed=0, **kwargs):
 
 
 def rel_error(actual, expected):
-    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    """In float64, on the tensors' device (caches of a GiB stay there)."""
+    actual, expected = actual.detach().double(), expected.detach().to(actual.device).double()
     assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     if not torch.isfinite(actual).all() or not torch.isfinite(expected).all():
         return float("inf")
@@ -82,11 +96,13 @@ def assert_caches_close(model_a, model_b, tol=1e-5, caches_a=None, caches_b=None
     a = caches_a if caches_a is not None else model_a.buffers_as_caches()
     b = caches_b if caches_b is not None else model_b.buffers_as_caches()
     for name, x, y in zip(a._fields, a, b):
-        assert_close(x, y, tol, name)
+        for layer, (x_layer, y_layer) in enumerate(zip(cache_tensors([x]), cache_tensors([y]))):
+            assert_close(x_layer, y_layer, tol, name if torch.is_tensor(x) else f"{name}[{layer}]")
 
 
 def clone_caches(caches):
-    return type(caches)(*(t.clone() for t in caches))
+    return type(caches)(*(t.clone() if torch.is_tensor(t) else tuple(x.clone() for x in t)
+                          for t in caches))
 
 
 def clone_args(args):
@@ -320,16 +336,11 @@ def _graph_input(node):
     return node if isinstance(node, Node) and node.op == "placeholder" else None
 
 
-def kernel_writes(op, kwargs):
-    """The written arguments that torch infers for every Triton kernel of
-    `op(**kwargs)`: traced through AOTAutograd's functionalization, where each
-    `wrap_triton` launch becomes a `triton_kernel_wrapper_functional` node whose
-    `tensors_to_clone` is the set of kernel arguments that Triton's TTIR
-    analysis found written (what Inductor uses too). Returns a list of
-    (kernel name, sorted op argument names written; "<internal>" for tensors
-    the op allocates itself). Nothing is executed."""
+def functionalized_graph(op, kwargs):
+    """`op(**kwargs)` traced by AOTAutograd (functionalized, as torch.compile
+    and AOTInductor trace it), and the op's tensor argument names in the
+    order of the graph's placeholders. Nothing is executed."""
     from torch._functorch.aot_autograd import aot_function
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
     names = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
     graphs = []
@@ -352,7 +363,20 @@ def kernel_writes(op, kwargs):
     except _Captured:
         pass
     assert len(graphs) == 1, "AOTAutograd produced no forward graph"
-    gm = graphs[0]
+    return graphs[0], names
+
+
+def kernel_writes(op, kwargs):
+    """The written arguments that torch infers for every Triton kernel of
+    `op(**kwargs)`: traced through AOTAutograd's functionalization, where each
+    `wrap_triton` launch of a decomposed op becomes a
+    `triton_kernel_wrapper_functional` node whose `tensors_to_clone` is the set
+    of kernel arguments that Triton's TTIR analysis found written (what
+    Inductor uses too). Returns a list of (kernel name, sorted op argument
+    names written; "<internal>" for tensors the op allocates itself)."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    gm, names = functionalized_graph(op, kwargs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(names)
     wrapper = torch.ops.higher_order.triton_kernel_wrapper_functional

@@ -14,10 +14,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import kda_ops
-from compile_helpers import (INDUCTOR_STACKED_SLICE_BUG, LAYER_COUNTS, NOT_UNDER_INTERPRETER,
-                             assert_caches_close, assert_close,
-                             clone_caches, model_copy, padded_step_inputs, recorded_cuda_graphs,
-                             requires_cuda, step_inputs, tiny_model)
+from compile_helpers import (LAYER_COUNTS, NOT_UNDER_INTERPRETER, assert_caches_close,
+                             assert_close, clone_caches, device_random_caches, large_cache_model,
+                             model_copy, padded_step_inputs, recorded_cuda_graphs, requires_cuda,
+                             step_inputs, tiny_model)
 
 pytestmark = NOT_UNDER_INTERPRETER
 
@@ -69,13 +69,12 @@ def run_reduce_overhead(model, caches, reference, reference_caches, steps=STEPS,
 @pytest.mark.parametrize("num_layers", LAYER_COUNTS)
 @pytest.mark.parametrize("caches_as", ["buffers", "static_inputs"])
 def test_reduce_overhead_records_and_replays(caches_as, num_layers):
-    """One layer: every cache slice starts at offset 0 of its stack, which the
-    torch 2.11 bug behind the two-layer mark needs to be non-zero."""
-    model = tiny_model("cuda", conv_layout="token_first", num_blocks=20, num_layers=num_layers)
+    """Stacked caches of a GiB or more, every layer's slices written."""
+    model = large_cache_model("cuda", num_layers, conv_layout="token_first")
     reference = model_copy(model)
     caches = reference_caches = None
     if caches_as == "static_inputs":
-        caches = model.random_caches(5)
+        caches = device_random_caches(model, 5)
         reference_caches = clone_caches(caches)
         for t in caches:
             torch._dynamo.mark_static_address(t)
@@ -93,9 +92,9 @@ def test_reduce_overhead_skips_unmarked_cache_inputs(num_layers):
     """The control for the test above: caches passed as plain inputs are
     mutated inputs, so cudagraphs are skipped (and the result stays right).
     This is why caches must be buffers or marked static."""
-    model = tiny_model("cuda", num_blocks=20, num_layers=num_layers)
+    model = large_cache_model("cuda", num_layers)
     reference = model_copy(model)
-    caches = model.random_caches(5)
+    caches = device_random_caches(model, 5)
     reference_caches = clone_caches(caches)
     counters.clear()
     with cudagraph_settings(or_error=False):
@@ -114,14 +113,14 @@ def sync_debug_error():
 
 
 @requires_cuda
-@pytest.mark.parametrize("compiled,num_layers", [
-    (False, 2), (True, 1), pytest.param(True, 2, marks=INDUCTOR_STACKED_SLICE_BUG)],
-    ids=["eager", "inductor-1-layer", "inductor"])
+@pytest.mark.parametrize("compiled,num_layers", [(False, 2)] + [(True, n) for n in LAYER_COUNTS],
+                         ids=["eager-2"] + [f"inductor-{n}" for n in LAYER_COUNTS])
 def test_manual_cuda_graph_of_a_full_step(compiled, num_layers):
     """One graph: stage this step's metadata into the graph's fixed buffers
     (count read on the device), conv_update + verify for every layer, commit
-    of all layers. Replayed with new tokens, windows, blocks and counts."""
-    model = tiny_model("cuda", conv_layout="token_first", num_blocks=20, num_layers=num_layers)
+    of all layers (stacked caches of a GiB or more). Replayed with new tokens,
+    windows, blocks and counts."""
+    model = large_cache_model("cuda", num_layers, conv_layout="token_first")
     reference = model_copy(model)
     device, T = "cuda", model.spec_len
     i32 = dict(dtype=torch.int32, device=device)

@@ -1,0 +1,36 @@
+"""Runs a compiled two-layer decode step (Inductor, fullgraph) for a few
+steps against eager, in a process of its own, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck python memcheck_worker.py
+
+Exits 0 when every step's outputs and caches match eager. Run it with
+PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that every tensor is an allocation of
+its own and an access past one is reported instead of landing in another.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compile_helpers import (assert_caches_close, assert_close, model_copy,  # noqa: E402
+                             step_inputs, tiny_model)
+
+
+def main():
+    model = tiny_model("cuda", conv_layout="token_first", num_blocks=40, num_layers=2)
+    reference = model_copy(model)
+    compiled = torch.compile(model.decode_step, backend="inductor", fullgraph=True)
+    for step, lens in enumerate(([2, 3, 1], [3, 1, 3, 3], [1] * 7)):
+        inputs = step_inputs(model, lens, seed=step)
+        out = compiled(*inputs)
+        expected = reference.decode_step(*inputs)
+        assert_close(out, expected, 1e-5, f"out at step {step}")
+        assert_caches_close(model, reference, 1e-5)
+    torch.cuda.synchronize()
+    print("compiled two-layer step: 3 steps equal eager")
+
+
+if __name__ == "__main__":
+    main()
