@@ -1,6 +1,7 @@
 """Benchmark: every op through one runner, against the copy bandwidth.
 
-    python -m kda_ops.bench [--ops verify,commit,commit_align,conv_update,verify_commit,step]
+    python -m kda_ops.bench [--ops verify,commit,commit_align,conv_update,verify_commit,step,
+                                   step_compiled]
                             [--batches 1,8,32,...]
                             [--spec-lens 2,4,8] [--layers 16] [--json out.json] [--plot out.png]
     python -m kda_ops.bench --table out.json [more.json ...] [--plot out.png]
@@ -8,7 +9,8 @@
 Ops: verify and conv_update (one layer), commit (all layers; commit_align: in
 align mode, every window crossing a block boundary), verify_commit
 (every layer's verify, then the commit), step (every layer's conv_update +
-verify, then the commit: `kda_ops.models.KDADecodeStep`). For each op and
+verify, then the commit: `kda_ops.models.KDADecodeStep`), step_compiled
+(the same step through `torch.compile(fullgraph=True)`). For each op and
 shape: the median time of CUDA-graph replays of one call per rotation set, the bytes
 that must move (each input read once, each output written once), and the
 effective bandwidth as a fraction of the device-to-device copy bandwidth
@@ -21,6 +23,7 @@ batches where they do not. `--table` prints saved runs as a markdown table
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 
@@ -245,20 +248,22 @@ def setup_conv_update(shape, device):
     return calls, conv_update_bytes(shape)
 
 
-def setup_step(shape, device):
-    """16 x (conv_update + verify) + one commit, captured in one CUDA graph."""
+def setup_step(shape, device, compiled=False):
+    """16 x (conv_update + verify) + one commit, captured in one CUDA graph;
+    `compiled`: the step through torch.compile(fullgraph=True), captured alike."""
     from .models import KDADecodeStep
     sets, N = _block_pool(shape, decode_bytes(_one_request(shape)))
     model = KDADecodeStep.for_benchmark(shape, device, num_blocks=N)
     hidden, starts, _, accepted = model.example_inputs(shape.batch)
-    calls = [lambda idx=idx: model.step(hidden, starts, idx, accepted)
+    step = torch.compile(model.step, fullgraph=True) if compiled else model.step
+    calls = [lambda idx=idx: step(hidden, starts, idx, accepted)
              for idx in _index_sets(sets, shape.batch, device)]
     return calls, step_bytes(shape)
 
 
 SETUPS = {"verify": setup_verify, "commit": setup_commit, "commit_align": setup_commit_align,
           "conv_update": setup_conv_update, "verify_commit": setup_verify_commit,
-          "step": setup_step}
+          "step": setup_step, "step_compiled": functools.partial(setup_step, compiled=True)}
 
 
 def graph_time_us(calls):
@@ -286,7 +291,7 @@ ONE_LAYER_OPS = ("verify", "conv_update")  # the others run every layer
 
 # Ops that run a decode step's work (every layer, then the commit): the table
 # also gives their time over the bytes-over-bandwidth floor.
-WHOLE_STEP_OPS = ("verify_commit", "step")
+WHOLE_STEP_OPS = ("verify_commit", "step", "step_compiled")
 
 
 def run(ops, batches, spec_lens, layers, device):

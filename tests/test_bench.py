@@ -42,7 +42,8 @@ def expected_bytes(shape, op):
     boundary = L * nbytes(((B, H, V, K), st), ((B, D, W - 1), act))       # align: boundary written
     return {"verify": verify, "conv_update": conv, "commit": commit,
             "commit_align": commit + boundary,
-            "verify_commit": L * verify + commit, "step": L * (conv + verify) + commit}[op]
+            "verify_commit": L * verify + commit, "step": L * (conv + verify) + commit,
+            "step_compiled": L * (conv + verify) + commit}[op]
 
 
 @pytest.mark.parametrize("op", sorted(bench.SETUPS))
