@@ -24,10 +24,11 @@ PROGRAMMATIC_LAUNCH_BELOW_BATCH = 8
 
 def dependent_launch(t, batch):
     """Launch options of a kernel over `batch` requests on `t`'s device:
-    programmatic dependent launch where the kernel is launched directly (eager,
-    and what a CUDA graph captures from it) on sm_90 or later. Traced launches
-    (torch.compile, torch.export, AOTInductor) keep plain launches: torch passes
-    no launch_pdl to user kernels."""
+    programmatic dependent launch where an op launches the kernel itself
+    (eagerly, from a compiled graph or an AOTInductor package for the ops that
+    write their arguments, and what a CUDA graph captures from either) on sm_90
+    or later. Launches that Inductor emits (the decomposed ops, traced with
+    wrap_triton enabled) stay plain: torch passes no launch_pdl to user kernels."""
     # Traced first: a traced batch may be symbolic, and comparing it would
     # add a guard (a recompile per batch size).
     enabled = (PROGRAMMATIC_LAUNCH and not is_wrap_triton_enabled() and t.is_cuda
