@@ -92,12 +92,31 @@ def assert_close(actual, expected, tol=1e-5, name="value"):
     assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e}"
 
 
+def layers_of(field):
+    """A cache field's tensor of each layer, stacked or kept per layer."""
+    return list(field.unbind(0)) if torch.is_tensor(field) else list(field)
+
+
 def assert_caches_close(model_a, model_b, tol=1e-5, caches_a=None, caches_b=None):
+    """Layer by layer, so that stacked and per-layer caches compare too."""
     a = caches_a if caches_a is not None else model_a.buffers_as_caches()
     b = caches_b if caches_b is not None else model_b.buffers_as_caches()
     for name, x, y in zip(a._fields, a, b):
-        for layer, (x_layer, y_layer) in enumerate(zip(cache_tensors([x]), cache_tensors([y]))):
-            assert_close(x_layer, y_layer, tol, name if torch.is_tensor(x) else f"{name}[{layer}]")
+        x, y = layers_of(x), layers_of(y)
+        assert len(x) == len(y), f"{name}: {len(x)} layers against {len(y)}"
+        for layer, (x_layer, y_layer) in enumerate(zip(x, y)):
+            assert_close(x_layer, y_layer, tol, f"{name}[{layer}]")
+
+
+def assert_compiled_steps_match(model, reference, tol=1e-5):
+    """`model.decode_step` through Inductor (fullgraph) for three steps of
+    ragged windows, each step's outputs and then caches against
+    `reference.decode_step` run eagerly."""
+    compiled = torch.compile(model.decode_step, backend="inductor", fullgraph=True)
+    for step, lens in enumerate(([2, 3, 1], [3, 1, 3, 3], [1] * 7)):
+        inputs = step_inputs(model, lens, seed=step)
+        assert_close(compiled(*inputs), reference.decode_step(*inputs), tol, f"out {lens}")
+        assert_caches_close(model, reference, tol)
 
 
 def clone_caches(caches):

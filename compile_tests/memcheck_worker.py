@@ -14,20 +14,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compile_helpers import (assert_caches_close, assert_close, model_copy,  # noqa: E402
-                             step_inputs, tiny_model)
+from compile_helpers import assert_compiled_steps_match, model_copy, tiny_model  # noqa: E402
 
 
 def main():
     model = tiny_model("cuda", conv_layout="token_first", num_blocks=40, num_layers=2)
-    reference = model_copy(model)
-    compiled = torch.compile(model.decode_step, backend="inductor", fullgraph=True)
-    for step, lens in enumerate(([2, 3, 1], [3, 1, 3, 3], [1] * 7)):
-        inputs = step_inputs(model, lens, seed=step)
-        out = compiled(*inputs)
-        expected = reference.decode_step(*inputs)
-        assert_close(out, expected, 1e-5, f"out at step {step}")
-        assert_caches_close(model, reference, 1e-5)
+    assert_compiled_steps_match(model, model_copy(model))
     torch.cuda.synchronize()
     print("compiled two-layer step: 3 steps equal eager")
 

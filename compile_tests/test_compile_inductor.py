@@ -28,7 +28,8 @@ import kda_ops.kernels
 from kda_ops.models import KDACaches, KDADecodeStep, cache_tensors
 
 from compile_helpers import (DEVICES, LAYER_COUNTS, NOT_UNDER_INTERPRETER,
-                             assert_caches_close, assert_close, clone_args,
+                             assert_caches_close, assert_close, assert_compiled_steps_match,
+                             clone_args,
                              declared_mutations, functionalized_graph, kernel_writes,
                              large_cache_model, model_copy, op_problems, requires_cuda,
                              run_batches_1_to_64, stand_in_cuda_target, step_inputs, tiny_model)
@@ -86,15 +87,8 @@ def test_inductor_matches_eager_cuda(dtype, num_layers):
     wrong (an illegal memory access at this size, wrong values at small
     ones)."""
     model = large_cache_model("cuda", num_layers, conv_layout="token_first", dtype=dtype)
-    reference = model_copy(model)
-    compiled = torch.compile(model.decode_step, backend="inductor", fullgraph=True)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for i, lens in enumerate(([2, 3, 1], [3, 1, 3, 3], [1] * 7)):
-        inputs = step_inputs(model, lens, seed=i)
-        out = compiled(*inputs)
-        expected = reference.decode_step(*inputs)
-        assert_close(out, expected, tol, f"out {lens}")
-        assert_caches_close(model, reference, tol)
+    assert_compiled_steps_match(model, model_copy(model),
+                                1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @requires_cuda
@@ -130,17 +124,7 @@ def test_per_layer_caches_match_stacked(device):
         stacked = large_cache_model(device, 4, conv_layout="token_first", cache_seed=3)
     else:
         stacked = tiny_model(device, conv_layout="token_first", num_blocks=20)
-    model = with_cache_layout(stacked, "per_layer")
-    compiled = torch.compile(model.decode_step, backend="inductor", fullgraph=True)
-    for i, lens in enumerate(([2, 3, 1], [3, 1, 3, 3], [1] * 7)):
-        inputs = step_inputs(stacked, lens, seed=i)
-        out = compiled(*inputs)
-        expected = stacked.decode_step(*inputs)
-        assert_close(out, expected, 1e-5, f"out {lens}")
-        for name, got, want in zip(stacked.buffers_as_caches()._fields,
-                                   model.buffers_as_caches(), stacked.buffers_as_caches()):
-            for layer in range(stacked.num_layers):
-                assert_close(got[layer], want[layer], 1e-5, f"{name}[{layer}] after {lens}")
+    assert_compiled_steps_match(with_cache_layout(stacked, "per_layer"), stacked)
 
 
 def with_cache_layout(model, cache_layout):

@@ -105,8 +105,8 @@ class KDADecodeStep(nn.Module):
                  value_dim: Optional[int] = None, projections: bool = True,
                  hidden_size: Optional[int] = None, dtype: torch.dtype = torch.float32,
                  state_dtype: torch.dtype = torch.float32, conv_layout: str = "dim_first",
-                 cache_layout: str = "stacked", lower_bound: Optional[float] = None, seed: int = 0,
-                 device: torch.device | str | None = None):
+                 cache_layout: str = "stacked", lower_bound: Optional[float] = None,
+                 seed: int = 0, device: torch.device | str | None = None):
         super().__init__()
         if conv_layout not in ("dim_first", "token_first"):
             raise ValueError(f"conv_layout must be 'dim_first' or 'token_first', got {conv_layout!r}")
