@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from kda_ops.models import KDACaches, KDADecodeStep, cache_tensors, make_step_inputs
+from kda_ops.models import KDACaches, KDADecodeStep, make_step_inputs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -62,9 +62,7 @@ def large_cache_model(device, num_layers, *, seed=0, cache_seed=1, **overrides) 
 def device_random_caches(model, seed):
     """New random caches of the model's shapes and layout, drawn on its device."""
     caches = model.empty_caches()
-    gen = torch.Generator(device=model.A_log.device).manual_seed(seed)
-    for t in cache_tensors(caches):
-        t.normal_(generator=gen)
+    model.randomize_caches(seed, caches)
     return caches
 
 

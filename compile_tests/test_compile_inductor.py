@@ -29,9 +29,8 @@ from kda_ops.models import KDACaches, KDADecodeStep, cache_tensors
 
 from compile_helpers import (DEVICES, LAYER_COUNTS, NOT_UNDER_INTERPRETER,
                              assert_caches_close, assert_close, assert_compiled_steps_match,
-                             clone_args,
-                             declared_mutations, functionalized_graph, kernel_writes,
-                             large_cache_model, model_copy, op_problems, requires_cuda,
+                             clone_args, declared_mutations, functionalized_graph, kernel_writes,
+                             large_cache_model, layers_of, model_copy, op_problems, requires_cuda,
                              run_batches_1_to_64, stand_in_cuda_target, step_inputs, tiny_model)
 
 pytestmark = NOT_UNDER_INTERPRETER
@@ -168,8 +167,7 @@ def assert_in_place(model, compiled, inputs, caches=None):
     commits = 1 if model.cache_layout == "stacked" else layers
     assert calls == dict(conv_update=layers, verify=layers, commit=commits), calls
     used = caches if caches is not None else model.buffers_as_caches()
-    smallest = min(t[0].numel() if model.cache_layout == "stacked" else t.numel()
-                   for t in (cache_tensors(used)))
+    smallest = min(layer.numel() for field in used for layer in layers_of(field))
     large = [(sizes, n) for sizes, n in allocations(code) if n >= smallest]
     assert not large, f"allocations the size of a cache ({smallest} elements): {large}"
     assert ".copy_(" not in code, "the output code copies a tensor"

@@ -212,12 +212,11 @@ class KDADecodeStep(nn.Module):
             for shape, dtype in zip(self.cache_shapes(), self.cache_dtypes()))))
 
     @torch.no_grad()
-    def randomize_caches(self, seed: int = 0) -> None:
-        """Fills the registered buffers with N(0, 1) values in place, drawn on
-        their device (no host copy; for large caches)."""
-        device = self.A_log.device
-        gen = torch.Generator(device=device).manual_seed(seed)
-        for buffer in cache_tensors(self.buffers_as_caches()):
+    def randomize_caches(self, seed: int = 0, caches: Optional[KDACaches] = None) -> None:
+        """Fills the registered buffers (or `caches`) with N(0, 1) values in
+        place, drawn on the model's device (no host copy; for large caches)."""
+        gen = torch.Generator(device=self.A_log.device).manual_seed(seed)
+        for buffer in cache_tensors(caches if caches is not None else self.buffers_as_caches()):
             buffer.normal_(generator=gen)
 
     def buffers_as_caches(self) -> KDACaches:
