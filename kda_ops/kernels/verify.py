@@ -353,8 +353,9 @@ def _row_dot(products, NUM_CHUNKS: tl.constexpr, BV: tl.constexpr, KEY_CHUNK: tl
 # At or above this many (request, head) pairs a program takes two V tiles: from
 # B * H = 256 on an H200 (H = 32) that was faster (B = 8: 5-10%, B >= 64:
 # 4-15%), below it the halved number of programs was slower (B = 1: 45-81%).
-# A symbolic batch (torch.compile with dynamic shapes, torch.export) takes one
-# tile per program unless its range proves the bound: deciding would add a guard.
+# A symbolic batch (the op run on fake tensors while a graph is traced) takes
+# one tile per program unless its range proves the bound: deciding would add a
+# guard. The launch itself always sees the real batch.
 TWO_TILES_FROM_HEADS = 256
 
 # Past the closed form, the token loop is unrolled with one tile per program
