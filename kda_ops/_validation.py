@@ -56,14 +56,30 @@ def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None, wr
         _fail(name, f"must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if device is not None and t.device != device:
         _fail(name, f"must be on {device} like the other tensors, got {t.device}")
-    if written and any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride())):
-        _fail(name, f"is written, so it must not overlap itself, got strides {tuple(t.stride())} "
+    if written and overlaps_itself(t):
+        _fail(name, f"is written, so it must not overlap itself (ordered by stride, each dim "
+              f"must step past the span of the smaller ones), got strides {tuple(t.stride())} "
               f"for shape {_shape(t)}")
     if inner_dims is not None and t.dim() >= inner_dims and sum(
             (size - 1) * abs(stride) for size, stride in
             zip(t.shape[t.dim() - inner_dims:], t.stride()[t.dim() - inner_dims:])) >= 2**31:
         _fail(name, f"must keep each block's (or token's) elements within 2**31 elements of "
               f"each other, got strides {tuple(t.stride())} for shape {_shape(t)}")
+
+
+def overlaps_itself(t) -> bool:
+    """Whether two elements of `t` may share memory: true unless its dims,
+    ordered by stride, each step past everything the smaller ones reach. Exotic
+    interleaved layouts that happen not to overlap are refused too (proving
+    them disjoint is a hard problem in general)."""
+    if t.numel() == 0:
+        return False
+    reach = 0  # the largest offset the dims taken so far can reach
+    for stride, size in sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
 
 
 def _token_view(name, t, leading_ndim):
@@ -105,8 +121,16 @@ def _has_null_block(name, t, num_blocks):
 def _request_metadata(query_start_loc, state_indices, device):
     check_tensor("state_indices", state_indices, ndim=1, dtypes=INDEX_DTYPES, device=device)
     batch = state_indices.shape[0]
-    check_tensor("query_start_loc", query_start_loc, shape=(batch + 1,), dtypes=INDEX_DTYPES,
-                 device=device)
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if query_start_loc.shape[0] != batch + 1:
+        hint = ""
+        if query_start_loc.shape[0] + 1 == batch:
+            hint = (" (swapped with state_indices? verify and conv_update take (..., "
+                    "query_start_loc, state_indices); commit, commit_plan and "
+                    "stage_spec_decode_metadata take (num_accepted_tokens, state_indices, "
+                    "query_start_loc))")
+        _fail("query_start_loc", f"must have shape ({batch + 1},) (one more entry than "
+              f"state_indices), got {_shape(query_start_loc)}{hint}")
     return batch
 
 
@@ -155,8 +179,6 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     check_tensor("key_gate", key_gate, shape=(num_blocks, num_heads, spec_len, 2 * key_dim),
                  dtypes=(k.dtype,), device=device, written=True, inner_dims=3)
     batch = _request_metadata(query_start_loc, state_indices, device)
-    if out is None:
-        _fail("out", "is required by torch.ops.kda_ops.verify (kda_ops.verify allocates it)")
     check_tensor("out", out, shape=_shape(v), dtypes=(v.dtype,), device=device, written=True,
                  inner_dims=2)
     check_lower_bound(lower_bound)
@@ -296,6 +318,9 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
     check_tensor("conv_state", conv_state, shape=(None, dim, None), dtypes=ACTIVATION_DTYPES,
                  device=device, written=True, inner_dims=2)
     _has_null_block("conv_state", conv_state, conv_state.shape[0])
+    if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[1] == 1:
+        _fail("weight", f"must have shape ({dim}, W), got {_shape(weight)} (an nn.Conv1d "
+              f"weight [D, 1, W]: pass weight.squeeze(1))")
     check_tensor("weight", weight, shape=(dim, None), dtypes=ACTIVATION_DTYPES, device=device)
     width = weight.shape[1]
     # The history keeps W-1 >= 1 columns, from which commit drops the oldest.
@@ -309,9 +334,6 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
         check_tensor("bias", bias, shape=(dim,), dtypes=ACTIVATION_DTYPES, device=device)
     check_activation(activation)
     batch = _request_metadata(query_start_loc, state_indices, device)
-    if out is None:
-        _fail("out", "is required by torch.ops.kda_ops.conv_update "
-              "(kda_ops.conv_update allocates it)")
     check_tensor("out", out, shape=_shape(x), dtypes=ACTIVATION_DTYPES, device=device,
                  written=True, inner_dims=1)
     return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch)

@@ -176,6 +176,22 @@ class KDADecodeStep(nn.Module):
         return model
 
     # ------------------------------------------------------------------ caches
+    def _apply(self, fn, recurse=True):
+        """`module.to(dtype)`, `.half()` and `.bfloat16()` convert the parameters
+        and the activation caches (`conv_state`, `key_gate`: they hold
+        activations, and verify takes `key_gate` in k's dtype) but keep the
+        dtypes of `state` (a checkpoint cast to bf16 would lose precision
+        silently) and `correction` (float32 always); device moves apply to all."""
+        kept = {name: buffer for name, buffer in self._buffers.items()
+                if name.split("_")[0] in ("state", "correction")}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype != before.dtype:
+                self._buffers[name] = before.to(device=after.device)
+        self.dtype = self.conv_weight.dtype
+        return self
+
     def cache_shapes(self) -> KDACaches:
         L, N, H, K, V = self.num_layers, self.num_blocks, self.num_heads, self.key_dim, self.value_dim
         conv = ((L, N, self.conv_dim, self.conv_cols) if self.conv_layout == "dim_first"

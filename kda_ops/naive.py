@@ -89,6 +89,10 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     return result, correction, key_gate
 
 
+def _fits_int32(index):
+    return -2**31 <= index < 2**31
+
+
 def commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                 request_indices=None, block_table=None, num_computed_tokens=None,
                 block_size=None):
@@ -113,8 +117,10 @@ def commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
             recovery = nb - nc
             if nc + commit >= nb:
                 boundary = int(block_table[r, min(nb // block_size - 1, width - 1)])
-        if src <= NULL_BLOCK or commit == 0:
+        if src <= NULL_BLOCK or not _fits_int32(src) or commit == 0:
             commit, final, boundary, recovery = 0, NULL_BLOCK, NULL_BLOCK, 0
+        # The plan is int32: a block outside it (null for every cache) is planned as null.
+        final, boundary = (b if _fits_int32(b) else NULL_BLOCK for b in (final, boundary))
         plans.append((commit, final, boundary, recovery))
     return [list(column) for column in zip(*plans)] if plans else [[], [], [], []]
 

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op
 
-from . import torch_impl
+from . import torch_impl, value_checks
 from ._validation import (check_aligned_state_indices, check_commit, check_conv_update,
                           check_plan, check_stage_spec_decode_metadata, check_verify)
 from .kernels.commit import launch_commit, launch_commit_plan
@@ -60,14 +60,16 @@ def opaque_when_functionalized(op):
 def verify(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
     state: Tensor, correction: Tensor, key_gate: Tensor,
-    query_start_loc: Tensor, state_indices: Tensor,
+    query_start_loc: Tensor, state_indices: Tensor, out: Tensor,
     lower_bound: Optional[float] = None, scale: Optional[float] = None,
-    out: Optional[Tensor] = None,
 ) -> None:
     # Custom ops cannot return an alias of an input, so the op writes into a
-    # caller-provided `out`; `kda_ops.verify` allocates it when not given.
+    # caller-provided `out` (required here); `kda_ops.verify` allocates it when not given.
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                         query_start_loc, state_indices, lower_bound, out)
+    if value_checks.should_check(q, query_start_loc, state_indices):
+        value_checks.check_verify_values(q, state, correction, key_gate, A_log, dt_bias,
+                                         query_start_loc, state_indices, lower_bound, dims)
     scale = dims.key_dim ** -0.5 if scale is None else scale
     impl = launch_verify if use_triton(q) else torch_impl.verify
     impl(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -86,6 +88,10 @@ def commit(
     dims, plan = check_commit(num_accepted_tokens, state_indices, query_start_loc, state,
                               conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
                               request_indices, block_table, num_computed_tokens, block_size)
+    if value_checks.should_check(state, query_start_loc, state_indices):
+        value_checks.check_commit_values(num_accepted_tokens, state_indices, query_start_loc,
+                                         key_gate, A_log, dt_bias, lower_bound, request_indices,
+                                         dims)
     impl = launch_commit if use_triton(state) else torch_impl.commit
     impl(num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
          key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
@@ -101,6 +107,9 @@ def commit_plan(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len, request_indices,
                block_table, num_computed_tokens, block_size, state_indices.device)
+    if value_checks.should_check(state_indices, query_start_loc):
+        value_checks.check_plan_values(num_accepted_tokens, state_indices, query_start_loc,
+                                       spec_len, request_indices)
     if use_triton(state_indices):
         outputs = tuple(torch.empty_like(state_indices, dtype=torch.int32) for _ in range(4))
         launch_commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
@@ -115,13 +124,15 @@ def commit_plan(
 @triton_op("kda_ops::conv_update", mutates_args={"conv_state", "out"})
 def conv_update(
     x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
-    query_start_loc: Tensor, state_indices: Tensor,
-    activation: Optional[str] = "silu", out: Optional[Tensor] = None,
+    query_start_loc: Tensor, state_indices: Tensor, out: Tensor,
+    activation: Optional[str] = "silu",
 ) -> None:
     # Writes into a caller-provided `out`, as verify does; `kda_ops.conv_update`
     # allocates it when not given.
     dims = check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
                              activation, out)
+    if value_checks.should_check(x, query_start_loc, state_indices):
+        value_checks.check_conv_update_values(query_start_loc, state_indices, dims)
     impl = launch_conv_update if use_triton(x) else torch_impl.conv_update
     impl(x, conv_state, weight, bias, query_start_loc, state_indices, activation, out, dims)
 
@@ -146,6 +157,8 @@ def _stage(state_indices, query_start_loc, num_accepted_tokens, staged_state_ind
     args = (state_indices, query_start_loc, num_accepted_tokens, staged_state_indices,
             staged_query_start_loc, staged_num_accepted_tokens, num_spec_decodes)
     count_limit = check_stage_spec_decode_metadata(*args)
+    if value_checks.should_check(state_indices, query_start_loc):
+        value_checks.check_stage_values(query_start_loc, num_spec_decodes, count_limit)
     impl = (launch_stage_spec_decode_metadata if use_triton(state_indices)
             else torch_impl.stage_spec_decode_metadata)
     impl(*args, count_limit)
@@ -174,3 +187,42 @@ def stage_spec_decode_metadata_tensor_count(
 ) -> None:
     _stage(state_indices, query_start_loc, num_accepted_tokens, staged_state_indices,
            staged_query_start_loc, staged_num_accepted_tokens, num_spec_decodes)
+
+
+# The ops are inference-only. A backward through their outputs must fail
+# loudly rather than leave the inputs' gradients silently None; and it must
+# fail when it runs, not when torch.compile traces the backward graph of a
+# forward that merely has parameters requiring grad.
+@torch.library.custom_op("kda_ops::no_backward", mutates_args=())
+def no_backward(grad: Tensor, input: Tensor, op_name: str) -> Tensor:
+    """Stands for the gradient of `input`: the backward graph keeps it (a
+    gradient flows to an input that requires grad) and it raises when run."""
+    raise RuntimeError(f"kda_ops.{op_name} is inference-only: it has no backward. Run the "
+                       f"decode step under torch.no_grad() or torch.inference_mode(), or detach "
+                       f"what flows into a loss")
+
+
+@no_backward.register_fake
+def _(grad, input, op_name):
+    return torch.empty_like(input)
+
+
+class _InferenceOnlyOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op_name, out, *inputs):
+        ctx.op_name = op_name
+        ctx.save_for_backward(*inputs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None) + tuple(no_backward(grad, t, ctx.op_name) for t in ctx.saved_tensors)
+
+
+def inference_only(op_name: str, out: Tensor, *inputs: Optional[Tensor]) -> Tensor:
+    """`out`, tied to the inputs that require grad (when grad mode tracks them)
+    so that a backward through it raises instead of passing over the op."""
+    tracked = [t for t in inputs if t is not None and t.requires_grad]
+    if not tracked or not torch.is_grad_enabled():
+        return out
+    return _InferenceOnlyOutput.apply(op_name, out, *tracked)

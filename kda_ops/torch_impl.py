@@ -125,10 +125,17 @@ def commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
         boundary_col = (next_boundary // block_size - 1).clamp(max=last_col)
         crosses = computed + commit >= next_boundary
         boundary = torch.where(crosses, table.gather(1, boundary_col[:, None])[:, 0], NULL_BLOCK)
-    null = (source <= NULL_BLOCK) | (commit == 0) | ~row_ok
+    null = (source <= NULL_BLOCK) | ~fits_int32(source) | (commit == 0) | ~row_ok
     zero = torch.zeros_like(source)
-    return (torch.where(null, zero, commit), torch.where(null, zero, final),
-            torch.where(null, zero, boundary), torch.where(null, zero, recovery))
+    # Blocks outside int32 (null for every cache) are planned as NULL_BLOCK, so
+    # that the int32 plan cannot wrap them into real blocks.
+    return (torch.where(null, zero, commit), torch.where(null | ~fits_int32(final), zero, final),
+            torch.where(null | ~fits_int32(boundary), zero, boundary),
+            torch.where(null, zero, recovery))
+
+
+def fits_int32(index):
+    return (index >= -2**31) & (index < 2**31)
 
 
 def _layered(t, stacked):
@@ -275,8 +282,7 @@ def stage_spec_decode_metadata(state_indices, query_start_loc, num_accepted_toke
     # As the kernel: indices past int32 (null anyway) become NULL_BLOCK, so that
     # an int32 buffer cannot wrap them into real blocks.
     wide = picked.long()
-    fits = (wide >= -2**31) & (wide < 2**31)
-    staged_state_indices.copy_(torch.where(fits, picked, NULL_BLOCK))
+    staged_state_indices.copy_(torch.where(fits_int32(wide), picked, NULL_BLOCK))
     accepted = torch.cat([num_accepted_tokens[:source_rows], num_accepted_tokens.new_ones(1)])
     staged_num_accepted_tokens.copy_(accepted[source_row])
     starts = torch.arange(batch + 1, device=state_indices.device).clamp(max=num_real)

@@ -14,13 +14,14 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-# The ops take `out` as an optional mutated tensor so that their argument order
-# matches SPEC §6. torch >= 2.13 runs the op body with out=None, which raises our
-# ValueError; torch 2.11's custom-op wrapper fails first with an IndexError.
-def raises_missing_out():
-    if torch.__version__ >= (2, 13):
-        return pytest.raises(ValueError, match="`out`")
-    return pytest.raises((ValueError, IndexError))
+def assert_out_required(op, call):
+    """`op`'s schema has a required, written `out` (no default, not Optional), and
+    the dispatcher refuses a call without it before the op body runs."""
+    out = next(a for a in op.default._schema.arguments if a.name == "out")
+    assert out.alias_info is not None and out.alias_info.is_write
+    assert not out.has_default_value() and str(out.type) == "Tensor"
+    with pytest.raises((RuntimeError, TypeError), match="out"):
+        call()
 
 
 def rel_error(actual, expected):

@@ -7,7 +7,7 @@ import kda_ops
 from kda_ops import naive
 
 from helpers import (DEVICES, INTERPRET, assert_rel_close, guarded, outside, query_start_loc,
-                     raises_missing_out)
+                     assert_out_required)
 
 ACT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # With T = 3: every L in 1..T, L = 0 (block 2) and L > T (block 4); the null
@@ -285,6 +285,6 @@ def test_conv_update_rejects_bad_options(case, options, name):
 def test_conv_update_op_requires_out():
     args, conv_buffer = make_problem("cpu", seed=16)
     buffer_before = conv_buffer.clone()
-    with raises_missing_out():
-        torch.ops.kda_ops.conv_update(*(args[n] for n in POSITIONAL), out=None)
+    assert_out_required(torch.ops.kda_ops.conv_update, lambda: torch.ops.kda_ops.conv_update(
+        *(args[n] for n in POSITIONAL)))
     assert torch.equal(conv_buffer, buffer_before)

@@ -12,7 +12,7 @@ from kda_ops.kernels.verify import verify_config
 from kda_ops.kernels.verify_tensor_cores import split_tf32
 
 from helpers import (DEVICES, INTERPRET, assert_rel_close, guarded, outside, query_start_loc,
-                     raises_missing_out)
+                     assert_out_required)
 
 ACT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -379,10 +379,9 @@ def test_verify_rejects_bad_options(kwargs, name):
 def test_verify_op_requires_out():
     args, _ = make_problem("cpu", seed=9)
     a = args
-    with raises_missing_out():
-        torch.ops.kda_ops.verify(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"],
-                                 a["dt_bias"], a["state"], a["correction"], a["key_gate"],
-                                 a["query_start_loc"], a["state_indices"], out=None)
+    assert_out_required(torch.ops.kda_ops.verify, lambda: torch.ops.kda_ops.verify(
+        a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"],
+        a["correction"], a["key_gate"], a["query_start_loc"], a["state_indices"]))
 
 
 def test_verify_rejects_mixed_devices():

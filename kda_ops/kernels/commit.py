@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import (NULL_BLOCK, block_is_valid, commit_plan_row, dependent_launch, kda_gate,
-                     l2_normalize, live_range, wait_for_previous_kernel)
+from .common import (NULL_BLOCK, block_is_valid, commit_plan_row, dependent_launch,
+                     int32_or_null, kda_gate, l2_normalize, live_range, wait_for_previous_kernel)
 from .conv import conv_config
 
 
@@ -292,8 +292,8 @@ def _commit_plan_kernel(
         final = source
         boundary = tl.zeros_like(source)
     tl.store(commit_out_ptr + b, commit.to(tl.int32))
-    tl.store(final_out_ptr + b, tl.where(commit > 0, final, NULL_BLOCK).to(tl.int32))
-    tl.store(boundary_out_ptr + b, boundary.to(tl.int32))
+    tl.store(final_out_ptr + b, int32_or_null(tl.where(commit > 0, final, NULL_BLOCK)))
+    tl.store(boundary_out_ptr + b, int32_or_null(boundary))
     tl.store(recovery_out_ptr + b, recovery.to(tl.int32))
 
 

@@ -157,6 +157,18 @@ def block_is_valid(block, num_blocks):
 
 
 @triton.jit
+def fits_int32(index):
+    return (index >= -2**31) & (index < 2**31)
+
+
+@triton.jit
+def int32_or_null(index):
+    """An int64 block index as stored in an int32 output: one outside int32,
+    null for every cache, becomes NULL_BLOCK instead of wrapping into a real block."""
+    return tl.where(fits_int32(index), index, NULL_BLOCK).to(tl.int32)
+
+
+@triton.jit
 def commit_plan_row(
     b,
     accepted_ptr, stride_accepted,
@@ -196,7 +208,8 @@ def commit_plan_row(
     accepted = tl.load(accepted_ptr + row * stride_accepted, mask=row_ok, other=0).to(tl.int64)
     commit = tl.minimum(tl.minimum(tl.maximum(accepted, 0), window), SPEC_LEN)
     source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
-    commit = tl.where((source <= NULL_BLOCK) | (row_ok == 0), 0, commit)
+    commit = tl.where((source <= NULL_BLOCK) | (fits_int32(source) == 0) | (row_ok == 0), 0,
+                      commit)
     final_col = tl.zeros_like(row)
     boundary_col = final_col - 1
     recovery = tl.zeros_like(row)

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import NULL_BLOCK, dependent_launch, wait_for_previous_kernel
+from .common import NULL_BLOCK, dependent_launch, fits_int32, wait_for_previous_kernel
 
 BLOCK_ROWS = 32
 
@@ -87,7 +87,7 @@ def _stage_spec_decode_kernel(
                       mask=real[:, None] & slot_ok, other=NULL_BLOCK).to(tl.int64)
     # Indices past int32 are null anyway; made NULL_BLOCK, an int32 buffer
     # cannot wrap them into real blocks.
-    indices = tl.where((indices >= -2**31) & (indices < 2**31), indices, NULL_BLOCK)
+    indices = tl.where(fits_int32(indices), indices, NULL_BLOCK)
     tl.store(staged_state_indices_ptr + rows[:, None] * stride_staged_si_row
              + slots[None, :] * stride_staged_si_slot,
              indices, mask=in_batch[:, None] & slot_ok)
