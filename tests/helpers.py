@@ -15,7 +15,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-5, torch.float16: 2e-3, torc
 
 
 # The ops take `out` as an optional mutated tensor so that their argument order
-# matches SPEC §6. torch >= 2.13 runs the op body with out=None, which raises our
+# matches the public functions' (README.md#usage). torch >= 2.13 runs the op body with out=None, which raises our
 # ValueError; torch 2.11's custom-op wrapper fails first with an IndexError.
 def raises_missing_out():
     if torch.__version__ >= (2, 13):
