@@ -1,6 +1,6 @@
 """Loads an AOTInductor package and runs it, in a process of its own (loading
-has crashed with SIGSEGV on some machines; the parent test tells a crash from a
-failure by the exit status).
+has crashed with SIGSEGV with some toolchains, docs/compile.md#5-aotinductor;
+the parent test tells a crash from a failure by the exit status).
 
     python aoti_worker.py PACKAGE CASES_FILE RESULTS_FILE
 

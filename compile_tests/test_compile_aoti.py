@@ -67,7 +67,7 @@ def test_aoti_package_matches_eager(device, tmp_path):
     ep = torch.export.export(StepWithCacheInputs(model), example, strict=False)
     package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "kda.pt2"))
 
-    # 2. A plain model: does loading a package work on this machine at all?
+    # 2. A plain model: does loading any package work in this environment?
     plain = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, 16)).to(device).eval()
     x = torch.randn(8, 32, device=device)

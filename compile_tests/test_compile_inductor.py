@@ -278,8 +278,7 @@ def test_kernel_sources_have_no_backslash():
     """Inductor writes each Triton kernel's source, with the jit functions it
     calls, into a string literal of its output code, where a backslash escape
     (in a PTX string or even in a comment) turns into a character that breaks
-    that code: every compiled verify with an L2 prefetch failed to import on
-    the H200 until the escape was gone."""
+    that code, and the compiled module then fails to import."""
     functions = 0
     for info in pkgutil.iter_modules(kda_ops.kernels.__path__):
         module = importlib.import_module(f"kda_ops.kernels.{info.name}")

@@ -192,10 +192,10 @@ def setup_commit(shape, device):
 
 
 def setup_commit_align(shape, device):
-    """commit in align mode (SPEC §4), every window crossing a block boundary
-    after its first token: the checkpoint's block (column 0 of the request's
-    table row) takes the boundary state in place, and the folded state goes to
-    the next block (column 1)."""
+    """commit in align mode (docs/semantics.md#4-the-commit-plan), every window
+    crossing a block boundary after its first token: the checkpoint's block
+    (column 0 of the request's table row) takes the boundary state in place,
+    and the folded state goes to the next block (column 1)."""
     B, T = shape.batch, shape.spec_len
     block_size = max(16, T)  # >= T: each window crosses exactly one block boundary
     sets, _ = _block_pool(shape, commit_align_bytes(_one_request(shape)))
@@ -212,7 +212,7 @@ def setup_commit_align(shape, device):
 
 def setup_verify_commit(shape, device):
     """Every layer's verify, then one commit of all layers (no conv_update):
-    the state traffic of a decode step, SPEC §2."""
+    the state traffic of a decode step (docs/semantics.md#3-verify, #5-commit)."""
     L, B = shape.layers, shape.batch
     sets, N = _block_pool(shape, decode_bytes(_one_request(shape)))
     bufs = _commit_buffers(shape, device, N)

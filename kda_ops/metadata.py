@@ -62,8 +62,8 @@ class RequestGroup:
 
 @dataclass
 class AlignArguments:
-    """The align-mode arguments of `kda_ops.commit` (SPEC §4), rows indexed by
-    batch row."""
+    """The align-mode arguments of `kda_ops.commit`
+    (docs/semantics.md#4-the-commit-plan), rows indexed by batch row."""
 
     block_table: Tensor
     num_computed_tokens: Tensor
@@ -359,7 +359,7 @@ class StagedSpecDecodeMetadata:
 
 class SpecDecodeGraphBuffers:
     """Fixed device buffers of the speculative group's metadata, for CUDA graphs
-    captured at batch sizes up to `max_batch_size` (SPEC §5).
+    captured at batch sizes up to `max_batch_size` (docs/integration.md#5-cuda-graphs).
 
     Capture once per batch size B with the views of `views(B)`; before each
     replay, `stage(...)` (or `stage_plan(...)`) writes the step's n <= B real

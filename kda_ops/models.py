@@ -23,7 +23,7 @@ and CUDA graphs want: fixed addresses), or can be passed in as a `KDACaches`
 tuple instead (mark them with `torch._dynamo.mark_static_address` before
 compiling with CUDA graphs). Parameters never require grad: inference only.
 
-Shapes (per-token inputs are packed "varlen", SPEC §3):
+Shapes (per-token inputs are packed "varlen", docs/semantics.md#1-cache-layout):
 
     hidden            [num_tokens, E]         E = hidden_size
     query_start_loc   [B + 1] int32           request b owns tokens qsl[b]:qsl[b+1] (1..T of them)

@@ -1,4 +1,4 @@
-"""Plain float64 reference of SPEC §1-4, written for clarity, token by token.
+"""Plain float64 reference of docs/semantics.md, written for clarity, token by token.
 
 Independent of `torch_impl` and the kernels: Python loops over requests, heads
 and tokens, reading values with `.item()`. The tests and the main job compare
@@ -96,7 +96,7 @@ def _fits_int32(index):
 def commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                 request_indices=None, block_table=None, num_computed_tokens=None,
                 block_size=None):
-    """SPEC §4 in plain Python. Returns four lists of ints."""
+    """docs/semantics.md#4-the-commit-plan in plain Python. Returns four lists of ints."""
     plans = []
     for b in range(state_indices.shape[0]):
         r = b if request_indices is None else int(request_indices[b])

@@ -5,8 +5,9 @@ tensors under TRITON_INTERPRET=1, eagerly) to the Triton kernels through
 `wrap_triton`, other CPU tensors to `torch_impl`. The body doubles as the fake
 implementation, so it reads no tensor values.
 
-Custom ops take no keyword-only tensors, so the op schemas keep SPEC §6's
-argument order with every argument positional-or-keyword.
+Custom ops take no keyword-only tensors, so the op schemas keep the public
+functions' argument order (README.md#usage) with every argument
+positional-or-keyword.
 
 An op that writes its arguments stays one opaque node when torch.compile or
 AOTInductor functionalizes a graph (`opaque_when_functionalized`); only the

@@ -98,7 +98,8 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
 
 def commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                 request_indices, block_table, num_computed_tokens, block_size):
-    """SPEC §4, int64 tensors [B] each; see `kernels.common.commit_plan_row`."""
+    """docs/semantics.md#4-the-commit-plan, int64 tensors [B] each; see
+    `kernels.common.commit_plan_row`."""
     window = (query_start_loc[1:].long() - query_start_loc[:-1].long()).clamp(min=0)
     batch = state_indices.shape[0]
     row = (request_indices.long() if request_indices is not None
@@ -205,9 +206,9 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_stat
 
 def conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation, out,
                 dims):
-    """SPEC §2 conv update, with the conventions of `kernels.conv`: null rows
-    and tokens past T get zero outputs; only the first min(L, T) tokens reach
-    the state."""
+    """docs/semantics.md#6-conv_update, with the conventions of `kernels.conv`:
+    null rows and tokens past T get zero outputs; only the first min(L, T)
+    tokens reach the state."""
     batch, spec_len, history = dims.batch, dims.spec_len, dims.width - 1
     if batch == 0:
         return
@@ -251,7 +252,7 @@ def conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, act
 
 
 def aligned_state_indices(block_table, seq_lens, block_size, num_state_slots):
-    """SPEC §5; columns past the table give NULL_BLOCK."""
+    """docs/semantics.md#8-metadata-helpers; columns past the table give NULL_BLOCK."""
     table_cols = block_table.shape[1]
     first_col = (seq_lens.long() - 1).clamp(min=0) // block_size
     cols = first_col[:, None] + torch.arange(num_state_slots, device=block_table.device)
@@ -265,8 +266,8 @@ def aligned_state_indices(block_table, seq_lens, block_size, num_state_slots):
 def stage_spec_decode_metadata(state_indices, query_start_loc, num_accepted_tokens,
                                staged_state_indices, staged_query_start_loc,
                                staged_num_accepted_tokens, num_spec_decodes, count_limit):
-    """SPEC §5. `num_spec_decodes` is an int or a one-element tensor, clamped to
-    [0, count_limit] like the kernel does."""
+    """docs/semantics.md#8-metadata-helpers. `num_spec_decodes` is an int or a
+    one-element tensor, clamped to [0, count_limit] like the kernel does."""
     batch = staged_state_indices.shape[0]
     source_rows = state_indices.shape[0]
     if isinstance(num_spec_decodes, torch.Tensor):

@@ -10,7 +10,8 @@ from kda_ops import naive
 
 from helpers import DEVICES, assert_rel_close, query_start_loc
 
-# SPEC §4 reference rows: (nc, commit, final column, boundary column or None, recovery).
+# docs/semantics.md#4-the-commit-plan's example rows:
+# (nc, commit, final column, boundary column or None, recovery).
 SPEC_TABLE = [(8188, 4, 3, 3, 4), (8190, 4, 4, 3, 2), (8180, 4, 3, None, None),
               (8192, 1, 4, None, None), (2047, 1, 0, 0, 1)]
 
@@ -78,7 +79,8 @@ def test_align_commit_every_offset(device, block_size):
 def test_align_empty_block_table(device):
     """A block table with no rows: every request's row is out of range, so
     every plan is null and commit writes nothing, without reading the empty
-    `num_computed_tokens` (SPEC §3: no read outside a tensor)."""
+    `num_computed_tokens` (docs/semantics.md#7-null-rows-and-bounds: no read
+    outside a tensor)."""
     T, H, K, V, D, W, N = 2, 1, 8, 4, 6, 3, 3
     gen = torch.Generator().manual_seed(5)
 

@@ -10,15 +10,15 @@ GPU (Triton's compiler plus the ptxas it ships), at the benchmark's shapes
 configuration the package uses, and prints what `ptxas -v` reports. Unit
 strides are specialised to 1 and pointers and other strides marked
 16-divisible, as at a real launch, so the layouts match what the GPU runs. A
-quick check before spending device time: spills or a register count that
-halves occupancy show up here. With --sass it also counts the SASS
-instructions of each kernel (nvdisasm) and the size of every loop body (a
-backward branch), from which the instructions a warp issues follow once the
-loops' trip counts are known. Written against Triton 3.9 (the CPU machine's).
-The device's Triton 3.6 can choose other layouts (3-D tiles:
-docs/performance.md, 2026-12-03); to see its code, run this tool from an
-environment made with `pip install 'torch==2.13.0' 'triton==3.6.0'`, with
-PYTHONPATH set to the checkout.
+quick check without a GPU: spills or a register count that halves occupancy
+show up here. With --sass it also counts the SASS instructions of each kernel
+(nvdisasm) and the size of every loop body (a backward branch), from which
+the instructions a warp issues follow once the loops' trip counts are known.
+Written against Triton 3.9. Triton 3.6, which docs/performance.md's numbers
+ran on, can choose other layouts (3-D tiles: see the chunk-major tile in
+kernels/verify.py); to see its code, run this tool from an environment made
+with `pip install 'torch==2.13.0' 'triton==3.6.0'`, with PYTHONPATH set to
+the checkout.
 """
 
 import argparse

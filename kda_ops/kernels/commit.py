@@ -23,7 +23,7 @@ def _fold_records(state, start, stop, kg_row, corr_row, stride_kg_tok, stride_kg
     # memory) while a token is folded: these loads bounded the fold. On an
     # H200 pipelining took T = 8 from 72% to 93% of copy (stages: see
     # commit_config); register prefetch one or two tokens ahead, or the
-    # loop unrolled, were slower at T = 8 (docs/performance.md).
+    # loop unrolled, were slower at T = 8.
     for t in tl.range(start, stop, num_stages=RECORD_STAGES):
         raw_k = tl.load(kg_row + t * stride_kg_tok, mask=mask_k, other=0.0).to(tl.float32)
         raw_g = tl.load(kg_row + t * stride_kg_tok + K * stride_kg_dim, mask=mask_k,

@@ -17,7 +17,7 @@ NULL_BLOCK = tl.constexpr(0)
 # requests, where launch latency dominates: on an H200 (H = 32, 16 layers in a
 # CUDA graph) B = 1 took 9-13% less for 16 verifies and a commit and 10-19%
 # less for the decode step, while from B = 8 it saved nothing and from B = 32
-# cost up to 2% (docs/performance.md). False turns it off.
+# cost up to 2%. False turns it off.
 PROGRAMMATIC_LAUNCH = True
 PROGRAMMATIC_LAUNCH_BELOW_BATCH = 8
 
@@ -81,7 +81,7 @@ def prefetch_state_rows(head_base, stride_s_blk, index_at, num_blocks, rows, str
 
 @triton.jit
 def kda_gate(raw_g, dt_bias, A, lower_bound, USE_LOWER_BOUND: tl.constexpr):
-    """Per-channel log decay (<= 0) from the raw gate, SPEC §1."""
+    """Per-channel log decay (<= 0) from the raw gate, docs/semantics.md#2-the-recurrence."""
     x = raw_g + dt_bias
     if USE_LOWER_BOUND:
         return lower_bound * tl.sigmoid(A * x)
@@ -181,8 +181,9 @@ def commit_plan_row(
     HAS_REQUEST_INDICES: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    """SPEC §4 for request `b`, up to the block-table lookups: (commit_len, row,
-    final column, boundary column, recovery), int64. A null plan (source index
+    """The commit plan (docs/semantics.md#4-the-commit-plan) of request `b`, up
+    to the block-table lookups: (commit_len, row, final column, boundary
+    column, recovery), int64. A null plan (source index
     <= NULL_BLOCK, row outside `[0, num_rows)`, nothing accepted) has commit_len
     0 and recovery 0; the boundary column is -1 when the window crosses no block
     boundary. `num_computed_tokens` is clamped at 0 and columns at the table

@@ -1,5 +1,5 @@
 """Conv update: the causal depthwise convolution over a speculative window, with
-the extended history kept in the conv state (SPEC §2).
+the extended history kept in the conv state (docs/semantics.md#6-conv_update).
 
 One program per (request, channel tile). The state of a request is
 `conv_state[block]`, `[D, W-1+T-1]` viewed dim-first with any strides; an

@@ -1,4 +1,5 @@
-"""Metadata kernels (SPEC §5): aligned state indices and CUDA-graph staging.
+"""Metadata kernels: aligned state indices and CUDA-graph staging
+(docs/semantics.md#8-metadata-helpers).
 
 Both are tiny, launch-bound kernels: one program covers BLOCK_ROWS requests.
 """

@@ -1,41 +1,36 @@
 """Verify: run a speculative window from the checkpoint, record (u, k, g).
 
-One program per (group of V tiles, request, head), in two phases. Phase 1 does the
-token-side work of the whole window at once (key and query normalisation, the
-gates, k.q) and writes it to a per-call workspace; phase 2 walks the tokens
-over the state tile, loading those vectors. The token-side reductions and
-exponentials thus stay out of the serial per-token chain, which measured 15-19%
-faster at large batch on an H200 than doing them per token. Phase 2 loads each
-vector at the state tile's shape, so no layout conversion is left in the token
-loop: 5-15% faster again at B >= 32. The state tile is held as
-`[BK / KEY_CHUNK * BV, KEY_CHUNK]` (chunk-major): a row's products then reduce
-mostly inside a thread, with 3 shuffle rounds instead of 5: 3-29% faster again.
-When enough (request, head) pairs are in flight, one program walks two V tiles
-after a single phase 1, which halves that work: 4-15% faster again at
-B >= 64. The workspace holds three vectors per token (decay, key, query; the
-decay is applied to the state first), each token's outputs are stored once
-after the token loop instead of through a layout conversion per token, the
-first state tile is loaded before phase 1, and short windows unroll the token
-loop: 10-31% faster again at B <= 32, 1-13% at B = 64, 9% at T = 8 from
-B = 128; at T = 2 and 4 from B = 128 between 1% faster and 4% slower.
-Windows of up to four tokens run in closed form (see CLOSED_FORM_UP_TO): the
-state is only read, by 2T independent products with the checkpoint, and a
-T x T coupling computed in phase 1 links the tokens: 7-13% faster again at
-T = 4, up to 10% at T = 3, and at T = 2 as fast as the form it replaced
-there (the state kept undecayed, which needed a gate lower bound).
-Windows of five to eight tokens over at least 256 (request, head) pairs run
-the closed form with its products on tensor cores (see TENSOR_CORES_UP_TO):
-one program per head, one `[V, 2T]` product of the checkpoint with every
-token's decayed key and query: 27-29% faster than the token loop at T = 8
-from B = 8. From 768 pairs, windows of four to eight tokens run the tensor-core
-form in two kernels (verify_tensor_cores.py): 12-26% faster again at T = 8
-from B = 24, and at T = 4 7-20% faster than the FMA closed form from B = 24
-(docs/performance.md). There the products' operands are split into TF32 parts
-by an integer add and a mask, and from five tokens the tokens are linked by
-one more tensor-core product: 7-11% faster again at T = 8 from B = 32, 1-6%
-at T = 4. Below 8 requests, where kernels launch programmatically, each
-program asks the L2 for its state tile before waiting on the previous kernel:
-16 verifies + commit 2-10% faster at B = 1.
+The checkpoint is only read. Each (request, head) runs in two phases. Phase 1
+does the token-side work of the whole window at once (every token's decay and
+normalised key and query, and k.q or the T x T couplings) and writes it to a
+per-call workspace. Phase 2 streams the state tile and applies the window,
+loading those vectors in the tile's layout, so no reduction, exponential or
+layout conversion sits in the serial per-token chain (15-19% faster at large
+batch on an H200 than doing that work per token).
+
+`verify_config` picks one of four forms from the window length T and the
+number of (request, head) pairs:
+
+- Token loop (T > 4 where no tensor-core form applies): phase 2 walks the
+  tokens over the state tile.
+- Closed form up to CLOSED_FORM_UP_TO = 4 tokens: the state is read by 2T
+  independent products with the checkpoint (every token's decayed key and
+  query), and a T x T coupling from phase 1 links the tokens.
+- Tensor cores in one kernel (T = 5 to 8, from TENSOR_CORES_FROM_HEADS pairs):
+  the closed form with its `[V, 2T]` product on tensor cores, one program per
+  (request, head).
+- Tensor cores in two kernels (T = 4 to 8, from SEPARATE_TERMS_FROM_HEADS
+  pairs; verify_tensor_cores.py): the window terms in one-warp programs of
+  their own, then programs that only stream the state through 3xTF32
+  products; from five tokens one more tensor-core product links the tokens.
+
+The first two run on CUDA cores, one program per (V tile, request, head), two
+V tiles per program from TWO_TILES_FROM_HEADS pairs. Their tile is held
+chunk-major, `[BK / KEY_CHUNK * BV, KEY_CHUNK]`, so a row's products reduce
+mostly inside a thread (3 shuffle rounds instead of 5: 3-29% faster).
+Below 8 requests the kernels launch programmatically (common.dependent_launch)
+and each program asks the L2 for its state tile before waiting on the
+previous kernel. The constants below carry the measurements behind them.
 """
 
 from typing import NamedTuple
@@ -180,7 +175,7 @@ def _verify_kernel(
         # inside their own loop, so that nothing of either is held across the
         # token loop: a runtime tile loop with the zero-store offsets formed up
         # front took 13-17 registers more and was 4-7% slower at B = 1, T = 4
-        # and 8 on the H200 (seventh session).
+        # and 8 on an H200.
         for tile_in_group in tl.static_range(V_TILES):
             tile = first_tile + tile_in_group
             offs_v = tile * BV + tl.arange(0, BV)
@@ -370,7 +365,7 @@ UNROLL_ONE_TILE_UP_TO = 8
 # loop: T = 4 8-13% faster at every batch from 1 to 128, 8% at 256 (114
 # against 138 registers with two tiles per program: four programs per SM
 # instead of three); T = 3 2-10% faster from B = 8, equal at B = 1. At T = 2
-# and 1 it replaced a token loop with the state kept undecayed (which needed a
+# and 1, against a token loop with the state kept undecayed (which needs a
 # gate lower bound): T = 2 0-3% faster, T = 1 0-2% slower from B = 32. At
 # T = 8 it was 16-48% slower (143 registers, and the coupling's T^2 work).
 CLOSED_FORM_UP_TO = 4
@@ -408,8 +403,8 @@ SEPARATE_TERMS_WARPS = 4
 WINDOW_TERMS_WARPS = 1  # see verify_tensor_cores._coupling
 # The two-kernel form links the tokens in one more tensor-core product
 # (verify_tensor_cores.link_on_tensor_cores) from 5 tokens (the code of BT = 8)
-# and token by token below. On an H200 (twenty-first session, B = 32, 64,
-# 256; both with the split below) it was 6-7% faster than token links at
+# and token by token below. On an H200 (B = 32, 64, 256; both with the
+# split below) it was 6-7% faster than token links at
 # T = 6, 8-10% at T = 8, and 1-3% slower at T = 4; T = 5 and 7 not timed.
 LINK_ON_TENSOR_CORES_FROM_LEN = 5
 # The two-kernel form's state products split their operands into TF32 parts
