@@ -11,14 +11,14 @@ from torch._library.triton import set_wrap_triton_enabled
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 import kda_ops
-from kda_ops.kernels import common
-from kda_ops.kernels import verify as verify_kernels
+from kda_ops.kernels import dispatch
+from kda_ops.kernels.dispatch import kernel_choices
 
 from helpers import query_start_loc, requires_cuda
 
 
 def test_dependent_launch_only_for_cuda_tensors():
-    assert common.dependent_launch(torch.zeros(1), 1) == {"PDL": False}
+    assert dispatch.dependent_launch(torch.zeros(1), 1) == {"PDL": False}
 
 
 def test_traced_launch_adds_no_guard_on_the_batch():
@@ -31,24 +31,23 @@ def test_traced_launch_adds_no_guard_on_the_batch():
     batch = shape_env.create_symintnode(symbol, hint=4)
     traced_cuda_tensor = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
     with set_wrap_triton_enabled(True):
-        assert common.dependent_launch(traced_cuda_tensor, batch) == {"PDL": False}
+        assert dispatch.dependent_launch(traced_cuda_tensor, batch) == {"PDL": False}
     assert shape_env.guards == []
 
 
 @requires_cuda
-def test_dependent_launch_policy(monkeypatch):
+def test_dependent_launch_policy():
     t = torch.zeros(1, device="cuda")
-    below = common.PROGRAMMATIC_LAUNCH_BELOW_BATCH
+    below = dispatch.PROGRAMMATIC_LAUNCH_BELOW_BATCH
     on = ({"PDL": True, "launch_pdl": True} if torch.cuda.get_device_capability()[0] >= 9
           else {"PDL": False})
     with set_wrap_triton_enabled(False):  # as the ops run eagerly
-        assert common.dependent_launch(t, below - 1) == on
-        assert common.dependent_launch(t, below) == {"PDL": False}
-        monkeypatch.setattr(common, "PROGRAMMATIC_LAUNCH", False)
-        assert common.dependent_launch(t, 1) == {"PDL": False}
-    monkeypatch.setattr(common, "PROGRAMMATIC_LAUNCH", True)
+        assert dispatch.dependent_launch(t, below - 1) == on
+        assert dispatch.dependent_launch(t, below) == {"PDL": False}
+        with kernel_choices(programmatic_launch=False):
+            assert dispatch.dependent_launch(t, 1) == {"PDL": False}
     with set_wrap_triton_enabled(True):  # as while torch.compile traces the ops
-        assert common.dependent_launch(t, 1) == {"PDL": False}
+        assert dispatch.dependent_launch(t, 1) == {"PDL": False}
 
 
 def make_chain(device, *, layers=6, H=4, K=32, T=4, lens=(4, 3), indices=(2, 1), N=4, W=4):
@@ -97,21 +96,25 @@ RESULTS = ("conv_out", "out", "state", "conv_state", "correction", "key_gate")
 @requires_cuda
 @pytest.mark.parametrize("separate_terms, prefetch", [(False, False), (True, False),
                                                       (False, True)])
-def test_dependent_launch_chain_is_exact(separate_terms, prefetch, monkeypatch):
+def test_dependent_launch_chain_is_exact(separate_terms, prefetch):
     """The chain with plain launches, then with programmatic dependent launch
     eagerly and replayed from a CUDA graph: every output and buffer bitwise
     equal. separate_terms puts verify's two-kernel form in the chain; prefetch
     has verify ask the L2 for its state before its wait (the default)."""
-    if separate_terms:
-        monkeypatch.setattr(verify_kernels, "SEPARATE_TERMS_FROM_HEADS", 1)
-    monkeypatch.setattr(verify_kernels, "STATE_PREFETCH_BEFORE_WAIT", prefetch)
-    monkeypatch.setattr(common, "PROGRAMMATIC_LAUNCH", False)
-    plain = make_chain("cuda")
-    run_chain(plain)
-    monkeypatch.setattr(common, "PROGRAMMATIC_LAUNCH", True)
+    form = dict(verify_form="separate_terms") if separate_terms else {}
+    with kernel_choices(programmatic_launch=False, **form):
+        plain = make_chain("cuda")
+        run_chain(plain)
+    with kernel_choices(programmatic_launch=True, prefetch_state=prefetch, **form):
+        assert_eager_and_graphed_chains_match(plain)
+
+
+def assert_eager_and_graphed_chains_match(plain):
+    """The chain run eagerly and replayed from a CUDA graph, under the kernel
+    choices in force, against `plain`: bitwise equal."""
     if torch.cuda.get_device_capability()[0] >= 9:
         with set_wrap_triton_enabled(False):
-            assert common.dependent_launch(plain["first"], len(plain["accepted"]))["PDL"]
+            assert dispatch.dependent_launch(plain["first"], len(plain["accepted"]))["PDL"]
     eager = make_chain("cuda")
     run_chain(eager)
     graphed = make_chain("cuda")

@@ -7,8 +7,8 @@ import triton.language as tl
 
 import kda_ops
 from kda_ops import naive
-from kda_ops.kernels import verify as verify_kernels
-from kda_ops.kernels.verify import verify_config
+from kda_ops.kernels import dispatch
+from kda_ops.kernels.dispatch import kernel_choices, verify_config
 from kda_ops.kernels.verify_tensor_cores import split_tf32
 
 from helpers import (DEVICES, INTERPRET, assert_rel_close, guarded, outside, query_start_loc,
@@ -183,23 +183,23 @@ def test_verify_closed_form(device, T, heads, lower_bound, decay_shift):
 @pytest.mark.parametrize("T, heads, lower_bound, decay_shift, K, V", [
     (5, 4, -5.0, 0.0, 16, 40), (8, 4, None, 4.0, 16, 40), (8, 4, -100.0, 4.0, 72, 72),
     (6, 32, -5.0, 0.0, 16, 40)])
-def test_verify_tensor_cores(device, T, heads, lower_bound, decay_shift, K, V, monkeypatch):
+def test_verify_tensor_cores(device, T, heads, lower_bound, decay_shift, K, V):
     """Windows of five to eight tokens over enough (request, head) pairs run
     the closed form with its products on tensor cores, in one kernel: windows
     of 0 to T + 2 tokens, steep gates with and without a lower bound; K = 72
     leaves a partial and an all-padding key chunk, V = 72 a partial 128-row
-    tile. Four heads take the form by lowering its threshold (the interpreter
-    is slow at 32)."""
-    if heads < 32:
-        monkeypatch.setattr(verify_kernels, "TENSOR_CORES_FROM_HEADS", 1)
+    tile. Four heads take the form by choice (the interpreter is slow at 32
+    heads, where the policy takes it)."""
     lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
-    config = verify_config(K, V, len(lens) * heads, T)
-    assert (config.tensor_cores, config.separate_terms, config.v_tiles) == (True, False, 1), (
-        "the one-kernel tensor-core form is not taken")
-    args, buffers = make_problem(device, H=heads, K=K, V=V, T=T, N=len(lens) + 1, lens=lens,
-                                 indices=tuple(range(1, len(lens) + 1)),
-                                 decay_shift=decay_shift, seed=41 + T)
-    check_against_oracle(args, buffers, None, lower_bound=lower_bound)
+    forced = {} if heads >= 32 else dict(verify_form="tensor_cores")
+    with kernel_choices(**forced):
+        config = verify_config(K, V, len(lens) * heads, T)
+        assert (config.form, config.v_tiles) == ("tensor_cores", 1), (
+            "the one-kernel tensor-core form is not taken")
+        args, buffers = make_problem(device, H=heads, K=K, V=V, T=T, N=len(lens) + 1, lens=lens,
+                                     indices=tuple(range(1, len(lens) + 1)),
+                                     decay_shift=decay_shift, seed=41 + T)
+        check_against_oracle(args, buffers, None, lower_bound=lower_bound)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -209,28 +209,26 @@ def test_verify_tensor_cores(device, T, heads, lower_bound, decay_shift, K, V, m
     (4, -5.0, 0.0, 16, 40), (5, None, 0.0, 16, 40), (8, None, 4.0, 16, 40),
     (8, -100.0, 4.0, 72, 72)])
 def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, link_on_tensor_cores,
-                               cheap_split, monkeypatch):
+                               cheap_split):
     """The tensor-core form in two kernels (the window terms, then the state
     products), four to eight tokens: windows of 0 to T + 2 tokens, steep gates
     with and without a lower bound (decay products that underflow); K = 72
     leaves a partial and an all-padding key chunk, V = 72 a partial 64-row tile
     and one of padding only; the null block, a negative and an out-of-range
-    index. Four heads take the form by lowering its threshold (768 pairs at
-    the real one); each case with the tokens linked token by token and on
+    index. Four heads take the form by choice (the policy takes it from 768
+    pairs); each case with the tokens linked token by token and on
     tensor cores, and with either 3xTF32 split (whose rounding matters only
     on a GPU: the interpreter computes TF32 products in fp32)."""
-    monkeypatch.setattr(verify_kernels, "SEPARATE_TERMS_FROM_HEADS", 1)
-    monkeypatch.setattr(verify_kernels, "LINK_ON_TENSOR_CORES_FROM_LEN",
-                        0 if link_on_tensor_cores else T + 1)
-    monkeypatch.setattr(verify_kernels, "CHEAP_TF32_SPLIT", cheap_split)
     lens = (T, 1, 0, T + 2, 3, T - 1, 2, T)
-    config = verify_config(K, V, len(lens) * 4, T)
-    assert (config.tensor_cores, config.separate_terms) == (True, True), (
-        "the two-kernel tensor-core form is not taken")
-    args, buffers = make_problem(device, H=4, K=K, V=V, T=T, N=6, lens=lens,
-                                 indices=(1, 2, 0, 3, -2, 4, 6, 5),
-                                 decay_shift=decay_shift, seed=51 + T)
-    check_against_oracle(args, buffers, None, lower_bound=lower_bound)
+    with kernel_choices(verify_form="separate_terms", link_on_tensor_cores=link_on_tensor_cores,
+                        cheap_tf32_split=cheap_split):
+        config = verify_config(K, V, len(lens) * 4, T)
+        assert (config.form, config.link_on_tensor_cores, config.cheap_tf32_split) == (
+            "separate_terms", link_on_tensor_cores, cheap_split)
+        args, buffers = make_problem(device, H=4, K=K, V=V, T=T, N=6, lens=lens,
+                                     indices=(1, 2, 0, 3, -2, 4, 6, 5),
+                                     decay_shift=decay_shift, seed=51 + T)
+        check_against_oracle(args, buffers, None, lower_bound=lower_bound)
 
 
 def test_verify_tensor_cores_threshold():

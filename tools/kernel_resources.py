@@ -1,14 +1,14 @@
 """Registers, spills and shared memory of the kda_ops kernels on sm_90, offline.
 
-    python tools/kernel_resources.py [--spec-lens 2,4,8] [--ttgir DIR] [--sass]
-        [--verify-config BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS]
-        [--commit-config BV,WARPS,RECORD_STAGES]
+    python tools/kernel_resources.py [--spec-lens 2,4,8] [--batch 128]
+        [--verify-form token_loop|closed_form|tensor_cores|separate_terms]
+        [--ttgir DIR] [--sass]
 
 Compiles the state kernels and conv_update for an H100/H200 target without a
 GPU (Triton's compiler plus the ptxas it ships), at the benchmark's shapes
-(H = 32, K = V = 128, bf16 activations, lower bound on) and the launch
-configuration the package uses, and prints what `ptxas -v` reports. Unit
-strides are specialised to 1 and pointers and other strides marked
+(H = 32, K = V = 128, bf16 activations, lower bound on) with the kernels and
+launch settings that the launchers themselves take (kernels/dispatch.py), and
+prints what `ptxas -v` reports. Unit strides are specialised to 1 and pointers and other strides marked
 16-divisible, as at a real launch, so the layouts match what the GPU runs. A
 quick check without a GPU: spills or a register count that halves occupancy
 show up here. With --sass it also counts the SASS instructions of each kernel
@@ -33,8 +33,8 @@ from triton.compiler import ASTSource
 
 from kda_ops.kernels import commit as commit_kernels
 from kda_ops.kernels import conv as conv_kernels
+from kda_ops.kernels import dispatch
 from kda_ops.kernels import verify as verify_kernels
-from kda_ops.kernels import verify_tensor_cores as tensor_core_kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
 UNIT_STRIDES = {"stride_q_dim", "stride_k_dim", "stride_v_dim", "stride_g_dim", "stride_s_k",
@@ -100,8 +100,7 @@ def sass_summary(cubin):
 
 def compile_report(kernel, constexprs, num_warps, ttgir_path=None, sass=False):
     names = kernel.arg_names
-    # Plain launches, as from B = 8 (common.PROGRAMMATIC_LAUNCH_BELOW_BATCH).
-    constexprs = dict(constexprs, PDL=False, **{n: 1 for n in names if n in UNIT_STRIDES})
+    constexprs = dict(constexprs, **{n: 1 for n in names if n in UNIT_STRIDES})
     # An unset constexpr would compile as a runtime argument: another kernel.
     missing = [names[i] for i in kernel.constexprs if names[i] not in constexprs]
     if missing:
@@ -129,76 +128,41 @@ def compile_report(kernel, constexprs, num_warps, ttgir_path=None, sass=False):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec-lens", default="2,4,8")
+    parser = argparse.ArgumentParser(prog="python tools/kernel_resources.py",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--spec-lens", default="2,4,8", help="window lengths T (default 2,4,8)")
+    parser.add_argument("--batch", type=int, default=128,
+                        help="requests, which picks verify's form as at a launch (default 128)")
+    parser.add_argument("--verify-form", default=None, choices=dispatch.VERIFY_FORMS,
+                        help="verify's form instead of the policy's for --batch")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
     parser.add_argument("--sass", action="store_true",
                         help="also SASS instructions per warp and loop body sizes")
-    parser.add_argument("--verify-config", default=None,
-                        help="BV,KEY_CHUNK,V_TILES,UNROLL,CLOSED,TC,SEPARATE,STAGES,WARPS of "
-                             "verify instead of the package's (which is taken at B = 128)")
-    parser.add_argument("--commit-config", default=None,
-                        help="BV,WARPS,RECORD_STAGES of the commit fold instead of the package's")
     args = parser.parse_args(argv)
-    K = V = 128
-    commit_bv, commit_warps, commit_stages = (
-        tuple(int(x) for x in args.commit_config.split(","))
-        if args.commit_config else commit_kernels.commit_config(V))
-    for T in (int(t) for t in args.spec_lens.split(",")):
-        verify = (verify_kernels.VerifyConfig(*(int(x) for x in args.verify_config.split(",")))
-                  if args.verify_config else verify_kernels.verify_config(K, V, 128 * 32, T))
-        BT = triton.next_power_of_2(T)
-        if verify.separate_terms:
-            link = T >= verify_kernels.LINK_ON_TENSOR_CORES_FROM_LEN
-            cases = {
-                "window_terms": (tensor_core_kernels._window_terms_kernel,
-                                 dict(K=K, BK=K, SPEC_LEN=T, BT=BT, USE_LOWER_BOUND=True,
-                                      LINK_MATRIX=link),
-                                 verify_kernels.WINDOW_TERMS_WARPS),
-                "verify_tc": (tensor_core_kernels._tensor_core_verify_kernel,
-                              dict(K=K, V=V, BK=K, BV=verify.block_v, SPEC_LEN=T, BT=BT,
-                                   NP=max(16, 2 * BT), KEY_CHUNK=verify.key_chunk,
-                                   STAGES=verify.stages, LINK_MATRIX=link,
-                                   CHEAP_SPLIT=verify_kernels.CHEAP_TF32_SPLIT),
-                              verify.num_warps),
-            }
-        else:
-            cases = {
-                "verify": (verify_kernels._verify_kernel,
-                           dict(K=K, V=V, BK=K, BV=verify.block_v, SPEC_LEN=T, BT=BT,
-                                USE_LOWER_BOUND=True, KEY_CHUNK=verify.key_chunk,
-                                V_TILES=verify.v_tiles, UNROLL_TOKENS=bool(verify.unroll_tokens),
-                                CLOSED_FORM=bool(verify.closed_form),
-                                TENSOR_CORES=bool(verify.tensor_cores), NP=max(16, 2 * BT),
-                                STAGES=verify.stages,
-                                PREFETCH_STATE=False),  # no PDL at this batch
-                           verify.num_warps),
-            }
-        conv_bd, conv_warps = conv_kernels.conv_config(32 * 3 * K)
-        cases.update({
-            "commit_state": (commit_kernels._commit_state_kernel,
-                             dict(K=K, V=V, BK=K, BV=commit_bv, NUM_HEADS=32, SPEC_LEN=T,
-                                  USE_LOWER_BOUND=True, HAS_REQUEST_INDICES=False, ALIGN=False,
-                                  RECORD_STAGES=commit_stages),
-                             commit_warps),
-            "commit_align": (commit_kernels._commit_state_kernel,
-                             dict(K=K, V=V, BK=K, BV=commit_bv, NUM_HEADS=32, SPEC_LEN=T,
-                                  USE_LOWER_BOUND=True, HAS_REQUEST_INDICES=False, ALIGN=True,
-                                  RECORD_STAGES=commit_stages),
-                             commit_warps),
-            "conv_update": (conv_kernels._conv_update_kernel,
-                            dict(WIDTH=4, SPEC_LEN=T, BD=conv_bd, HAS_BIAS=True, SILU=True),
-                            conv_warps),
-        })
-        for name, (kernel, constexprs, warps) in cases.items():
-            ttgir = os.path.join(args.ttgir, f"{name}_T{T}.ttgir") if args.ttgir else None
-            report = compile_report(kernel, constexprs, warps, ttgir, args.sass)
-            line = (f"{name:13s} T={T} warps={warps}: {report['registers']} registers, "
-                    f"{report['spill_store_bytes']} B spilled, {report['shared_bytes']} B shared")
-            if args.sass:
-                line += (f", {report['instructions']} SASS instructions per warp, loop bodies "
-                         f"{report['loops'] or 'none'}")
-            print(line)
+    H, K = 32, 128
+    V = K
+    # Plain launches, as from B = dispatch.PROGRAMMATIC_LAUNCH_BELOW_BATCH.
+    pdl = False
+    with dispatch.kernel_choices(verify_form=args.verify_form):
+        for T in (int(t) for t in args.spec_lens.split(",")):
+            config = dispatch.verify_config(K, V, args.batch * H, T)
+            cases = dict(verify_kernels.verify_launches(config, K, V, T, True, pdl))
+            for name, align in (("commit_state", False), ("commit_align", True)):
+                cases[name] = commit_kernels.commit_state_launch(K, V, H, T, True, False, align,
+                                                                 pdl)
+            cases["conv_update"] = conv_kernels.conv_update_launch(H * (2 * K + V), 4, T, True,
+                                                                   True, pdl)
+            for name, (kernel, constexprs, warps) in cases.items():
+                ttgir = os.path.join(args.ttgir, f"{name}_T{T}.ttgir") if args.ttgir else None
+                report = compile_report(kernel, constexprs, warps, ttgir, args.sass)
+                form = config.form if kernel in verify_kernels.VERIFY_KERNELS else ""
+                line = (f"{name:20s} T={T} {form:14s} warps={warps}: {report['registers']} "
+                        f"registers, {report['spill_store_bytes']} B spilled, "
+                        f"{report['shared_bytes']} B shared")
+                if args.sass:
+                    line += (f", {report['instructions']} SASS instructions per warp, loop "
+                             f"bodies {report['loops'] or 'none'}")
+                print(line)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import (NULL_BLOCK, block_is_valid, commit_plan_row, dependent_launch,
-                     int32_or_null, kda_gate, l2_normalize, live_range, wait_for_previous_kernel)
-from .conv import conv_config
+from .common import (NULL_BLOCK, block_is_valid, commit_plan_row, int32_or_null, kda_gate,
+                     l2_normalize, live_range, wait_for_previous_kernel)
+from .dispatch import commit_config, conv_config, dependent_launch
 
 
 @triton.jit
@@ -219,12 +219,16 @@ def plan_launch_args(num_accepted_tokens, request_indices, state_indices, query_
     return pointers, scalars, strides
 
 
-def commit_config(value_dim):
-    """(BV, num_warps, record pipeline stages) of the state fold, measured best
-    on an H200 at every batch and T = 2, 4, 8. Against 64 rows in two warps
-    with 3 stages, 32 rows in one warp with 4 stages do not spill and take
-    T = 8 from 86-88% to 92-93% of copy from B = 32."""
-    return min(triton.next_power_of_2(value_dim), 32), 1, 4
+def commit_state_launch(key_dim, value_dim, num_heads, spec_len, use_lower_bound,
+                        has_request_indices, align, pdl):
+    """The state fold's (kernel, constexprs, num_warps); tools/kernel_resources.py
+    compiles exactly this."""
+    block_v, warps, record_stages = commit_config(value_dim)
+    return _commit_state_kernel, dict(
+        K=key_dim, V=value_dim, BK=triton.next_power_of_2(key_dim), BV=block_v,
+        NUM_HEADS=num_heads, SPEC_LEN=spec_len, USE_LOWER_BOUND=use_lower_bound,
+        HAS_REQUEST_INDICES=has_request_indices, ALIGN=align, RECORD_STAGES=record_stages,
+        PDL=pdl), warps
 
 
 def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
@@ -238,18 +242,19 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
     flags = dict(SPEC_LEN=dims.spec_len, HAS_REQUEST_INDICES=request_indices is not None,
                  ALIGN=plan.align)
     K, V = dims.key_dim, dims.value_dim
-    BV, warps, record_stages = commit_config(V)
     launch = dependent_launch(state, plan.batch)
-    grid = (triton.cdiv(V, BV), plan.batch, dims.num_layers * dims.num_heads)
-    wrap_triton(_commit_state_kernel)[grid](
+    kernel, constexprs, warps = commit_state_launch(
+        K, V, dims.num_heads, dims.spec_len, lower_bound is not None,
+        request_indices is not None, plan.align, launch["PDL"])
+    pdl_option = {"launch_pdl": True} if launch["PDL"] else {}
+    grid = (triton.cdiv(V, constexprs["BV"]), plan.batch, dims.num_layers * dims.num_heads)
+    wrap_triton(kernel)[grid](
         state, correction, key_gate, A_log, dt_bias, *pointers,
         dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides,
         *layer_strides(state, dims.stacked), *layer_strides(correction, dims.stacked),
         *layer_strides(key_gate, dims.stacked),
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),
-        K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, NUM_HEADS=dims.num_heads,
-        USE_LOWER_BOUND=lower_bound is not None, RECORD_STAGES=record_stages, **flags,
-        num_warps=warps, **launch,
+        **constexprs, num_warps=warps, **pdl_option,
     )
     if conv_state is not None:
         BD, warps = conv_config(dims.conv_dim)

@@ -1,40 +1,13 @@
-"""Shared by the kernels: the launch policy (programmatic dependent launch) and
-the device functions of the KDA gate, the closed form's token linking and the
-commit plan."""
+"""Device functions shared by the kernels: waiting on a programmatically
+launched predecessor, L2 prefetch, the KDA gate, the closed form's token
+linking and the commit plan. The launch policy is in dispatch.py."""
 
-import torch
 import triton
 import triton.language as tl
-from torch._library.triton import is_wrap_triton_enabled
 
 # State block 0 is the null block: an index <= NULL_BLOCK marks a padding row.
 # A constexpr, because @triton.jit code may read no other kind of global.
 NULL_BLOCK = tl.constexpr(0)
-
-# Programmatic dependent launch (sm_90 and later): a kernel may start launching
-# while the kernel before it in the stream finishes, and waits for it
-# (wait_for_previous_kernel) before touching memory. Used below this many
-# requests, where launch latency dominates: on an H200 (H = 32, 16 layers in a
-# CUDA graph) B = 1 took 9-13% less for 16 verifies and a commit and 10-19%
-# less for the decode step, while from B = 8 it saved nothing and from B = 32
-# cost up to 2%. False turns it off.
-PROGRAMMATIC_LAUNCH = True
-PROGRAMMATIC_LAUNCH_BELOW_BATCH = 8
-
-
-def dependent_launch(t, batch):
-    """Launch options of a kernel over `batch` requests on `t`'s device:
-    programmatic dependent launch where an op launches the kernel itself
-    (eagerly, from a compiled graph or an AOTInductor package for the ops that
-    write their arguments, and what a CUDA graph captures from either) on sm_90
-    or later. Launches that Inductor emits (the decomposed ops, traced with
-    wrap_triton enabled) stay plain: torch passes no launch_pdl to user kernels."""
-    # Traced first: a traced batch may be symbolic, and comparing it would
-    # add a guard (a recompile per batch size).
-    enabled = (PROGRAMMATIC_LAUNCH and not is_wrap_triton_enabled() and t.is_cuda
-               and batch < PROGRAMMATIC_LAUNCH_BELOW_BATCH
-               and torch.cuda.get_device_capability(t.device)[0] >= 9)
-    return dict(PDL=True, launch_pdl=True) if enabled else dict(PDL=False)
 
 
 @triton.jit

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import block_is_valid, dependent_launch, live_range, wait_for_previous_kernel
+from .common import block_is_valid, live_range, wait_for_previous_kernel
+from .dispatch import conv_config, dependent_launch
 
 
 @triton.jit
@@ -89,30 +90,30 @@ def _conv_update_kernel(
         tl.store(out_cols + t * stride_out_tok, zeros, mask=mask_d)
 
 
-def conv_config(dim):
-    """(BD, num_warps) of conv_update, and of commit's conv compaction: four
-    channels per thread. Measured on an H200 (D = 12288, bf16): 256 channels
-    with 2 warps, 512 with 4 and 1024 with 8 ran within 6% of each other from
-    B = 8 (256 / 2 fastest at B = 1); eight channels per thread (1024 / 4,
-    512 / 2: more registers per thread) took 36-56% longer from B = 128."""
-    return min(triton.next_power_of_2(dim), 256), 2
+def conv_update_launch(dim, width, spec_len, has_bias, silu, pdl):
+    """conv_update's (kernel, constexprs, num_warps); tools/kernel_resources.py
+    compiles exactly this."""
+    block_d, warps = conv_config(dim)
+    return _conv_update_kernel, dict(WIDTH=width, SPEC_LEN=spec_len, BD=block_d,
+                                     HAS_BIAS=has_bias, SILU=silu, PDL=pdl), warps
 
 
 def launch_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
                        activation, out, dims):
     if dims.batch == 0:
         return
-    BD, warps = conv_config(dims.dim)
+    launch = dependent_launch(x, dims.batch)
+    kernel, constexprs, warps = conv_update_launch(dims.dim, dims.width, dims.spec_len,
+                                                   bias is not None, activation == "silu",
+                                                   launch["PDL"])
     # Batch on the first grid axis: it has no 65535 limit.
-    grid = (dims.batch, triton.cdiv(dims.dim, BD))
-    wrap_triton(_conv_update_kernel)[grid](
+    grid = (dims.batch, triton.cdiv(dims.dim, constexprs["BD"]))
+    wrap_triton(kernel)[grid](
         x, conv_state, weight, bias if bias is not None else weight, out,
         query_start_loc, state_indices,
         dims.num_blocks, dims.dim,
         *x.stride(), *conv_state.stride(), *weight.stride(),
         bias.stride(0) if bias is not None else 0,
         *out.stride(), query_start_loc.stride(0), state_indices.stride(0),
-        WIDTH=dims.width, SPEC_LEN=dims.spec_len, BD=BD,
-        HAS_BIAS=bias is not None, SILU=activation == "silu",
-        num_warps=warps, **dependent_launch(x, dims.batch),
+        **constexprs, num_warps=warps, **({"launch_pdl": True} if launch["PDL"] else {}),
     )

@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import NULL_BLOCK, dependent_launch, fits_int32, wait_for_previous_kernel
+from .common import NULL_BLOCK, fits_int32, wait_for_previous_kernel
+from .dispatch import dependent_launch
 
 BLOCK_ROWS = 32
 

@@ -8,12 +8,12 @@ loading those vectors in the tile's layout, so no reduction, exponential or
 layout conversion sits in the serial per-token chain (15-19% faster at large
 batch on an H200 than doing that work per token).
 
-`verify_config` picks one of four forms from the window length T and the
+`dispatch.verify_config` picks one of four forms from the window length T and the
 number of (request, head) pairs:
 
 - Token loop (T > 4 where no tensor-core form applies): phase 2 walks the
   tokens over the state tile.
-- Closed form up to CLOSED_FORM_UP_TO = 4 tokens: the state is read by 2T
+- Closed form up to dispatch.CLOSED_FORM_UP_TO = 4 tokens: the state is read by 2T
   independent products with the checkpoint (every token's decayed key and
   query), and a T x T coupling from phase 1 links the tokens.
 - Tensor cores in one kernel (T = 5 to 8, from TENSOR_CORES_FROM_HEADS pairs):
@@ -25,25 +25,23 @@ number of (request, head) pairs:
   products; from five tokens one more tensor-core product links the tokens.
 
 The first two run on CUDA cores, one program per (V tile, request, head), two
-V tiles per program from TWO_TILES_FROM_HEADS pairs. Their tile is held
+V tiles per program from dispatch.TWO_TILES_FROM_PAIRS pairs. Their tile is held
 chunk-major, `[BK / KEY_CHUNK * BV, KEY_CHUNK]`, so a row's products reduce
 mostly inside a thread (3 shuffle rounds instead of 5: 3-29% faster).
-Below 8 requests the kernels launch programmatically (common.dependent_launch)
+Below 8 requests the kernels launch programmatically (dispatch.dependent_launch)
 and each program asks the L2 for its state tile before waiting on the
 previous kernel. The constants below carry the measurements behind them.
 """
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import wrap_triton
 
-from .common import (block_is_valid, dependent_launch, link_tokens, live_range, load_window,
+from .common import (block_is_valid, link_tokens, live_range, load_window,
                      prefetch_state_rows, wait_for_previous_kernel, window_vectors)
-from .verify_tensor_cores import _tensor_core_verify_kernel, _window_terms_kernel, tensor_core_tile
+from .dispatch import WINDOW_TERMS_WARPS, dependent_launch, verify_config
+from .verify_tensor_cores import tensor_core_tile, tensor_core_verify_kernel, window_terms_kernel
 
 
 @triton.jit
@@ -345,118 +343,31 @@ def _row_dot(products, NUM_CHUNKS: tl.constexpr, BV: tl.constexpr, KEY_CHUNK: tl
     return tl.sum(tl.sum(tl.reshape(products, [NUM_CHUNKS, BV, KEY_CHUNK]), axis=0), axis=1)
 
 
-# At or above this many (request, head) pairs a program takes two V tiles: from
-# B * H = 256 on an H200 (H = 32) that was faster (B = 8: 5-10%, B >= 64:
-# 4-15%), below it the halved number of programs was slower (B = 1: 45-81%).
-# A symbolic batch (the op run on fake tensors while a graph is traced) takes
-# one tile per program unless its range proves the bound: deciding would add a
-# guard. The launch itself always sees the real batch.
-TWO_TILES_FROM_HEADS = 256
-
-# Past the closed form, the token loop is unrolled with one tile per program
-# up to this many tokens (spec_len); with two tiles it runs as a runtime loop.
-# Measured on an H200 (H = 32, K = V = 128, B = 1..256), unrolled against the
-# runtime loop: with two tiles per program T = 8 was 14-29% slower (187 against
-# 128 registers); with one tile T = 4 and 8 were 1-35% faster.
-UNROLL_ONE_TILE_UP_TO = 8
-
-# Windows of up to this many tokens run in closed form (CLOSED_FORM, unrolled:
-# its tuples need compile-time indices). Measured on an H200 against the token
-# loop: T = 4 8-13% faster at every batch from 1 to 128, 8% at 256 (114
-# against 138 registers with two tiles per program: four programs per SM
-# instead of three); T = 3 2-10% faster from B = 8, equal at B = 1. At T = 2
-# and 1, against a token loop with the state kept undecayed (which needs a
-# gate lower bound): T = 2 0-3% faster, T = 1 0-2% slower from B = 32. At
-# T = 8 it was 16-48% slower (143 registers, and the coupling's T^2 work).
-CLOSED_FORM_UP_TO = 4
-
-
-# Windows longer than the FMA closed form, up to TENSOR_CORES_UP_TO tokens, run
-# the closed form with its products on tensor cores in this kernel
-# (TENSOR_CORES), one program per (request, head), from 256 pairs. Measured on
-# an H200 at T = 8 against the token loop: 27-29% faster from B = 8 (H = 32),
-# 53% slower at B = 1, where the loop's four programs per head finish sooner.
-# Its tile: 128 rows with 8 warps, 7-19% faster than 64 rows with 4 (two
-# programs per head); 3 stages 4-8% faster than 2 (with 64 rows).
-#
-# From 768 pairs, windows of four to eight tokens run it in two kernels
-# instead (verify_tensor_cores.py: the window terms in one-warp programs of
-# their own, then 64-row programs, 4 warps, that only stream the state).
-# Measured on an H200 (H = 32, K = V = 128) at B = 24 / 32 / 48: T = 8 -12 /
-# -17 / -22% against the one-kernel form above, T = 4 -7 / -10 / -15% against
-# the FMA closed form; more from B = 64. At B = 16 it was even at T = 8 (26.7
-# against 26.9 us) and 6% slower at T = 4, at B = 8 27% and 26% slower; at
-# T = 2 close variants were slower at every batch (+5% at best), so T = 2
-# keeps the FMA form.
-# Lengths 5 to 7 run the code of BT = 8; T = 3 keeps the FMA form (neither
-# timed in this form). A symbolic batch takes
-# neither tensor-core form unless its range proves the bound, as for
-# TWO_TILES_FROM_HEADS.
-TENSOR_CORES_UP_TO = 8
-TENSOR_CORES_FROM_HEADS = 256
-TENSOR_CORE_BLOCK_V = 128
-TENSOR_CORE_STAGES = 3
-SEPARATE_TERMS_FROM_LEN = 4
-SEPARATE_TERMS_FROM_HEADS = 768
-SEPARATE_TERMS_BLOCK_V = 64
-SEPARATE_TERMS_WARPS = 4
-WINDOW_TERMS_WARPS = 1  # see verify_tensor_cores._coupling
-# The two-kernel form links the tokens in one more tensor-core product
-# (verify_tensor_cores.link_on_tensor_cores) from 5 tokens (the code of BT = 8)
-# and token by token below. On an H200 (B = 32, 64, 256; both with the
-# split below) it was 6-7% faster than token links at
-# T = 6, 8-10% at T = 8, and 1-3% slower at T = 4; T = 5 and 7 not timed.
-LINK_ON_TENSOR_CORES_FROM_LEN = 5
-# The two-kernel form's state products split their operands into TF32 parts
-# by verify_tensor_cores.split_tf32 (an integer add and a mask) instead of
-# Triton's tf32x3: 1-5% faster at T = 4 (B = 32 to 256); at T = 6 and 8 only
-# with the link product (without it 2-3% slower). The one-kernel tensor-core
-# form keeps tf32x3 (not timed with the split).
-CHEAP_TF32_SPLIT = True
-# A verify kernel launched programmatically (below
-# common.PROGRAMMATIC_LAUNCH_BELOW_BATCH requests) asks the L2 for its state
-# tile before its wait (common.prefetch_state_rows): at B = 1, 16 verifies +
-# commit took 79 / 82 / 131 against 87 / 87 / 134 us at T = 2 / 4 / 8.
-STATE_PREFETCH_BEFORE_WAIT = True
-
-
-class VerifyConfig(NamedTuple):
-    """Compile-time choices of the verify kernels (measured best on an H200)."""
-    block_v: int
-    key_chunk: int
-    v_tiles: int
-    unroll_tokens: bool
-    closed_form: bool
-    tensor_cores: bool
-    separate_terms: bool  # tensor cores, the window terms in a kernel of their own
-    stages: int
-    num_warps: int
-
-
-def verify_config(key_dim, value_dim, request_heads, spec_len):
-    """The VerifyConfig for `request_heads` = batch * heads."""
-    key_chunk = min(triton.next_power_of_2(key_dim), 32)
-    tensor_core_rows = triton.next_power_of_2(value_dim)
-    if (SEPARATE_TERMS_FROM_LEN <= spec_len <= TENSOR_CORES_UP_TO and key_dim >= 16
-            and statically_known_true(request_heads >= SEPARATE_TERMS_FROM_HEADS)):
-        # 16 rows at least: smaller tiles the tensor cores only take padded.
-        BV = max(min(tensor_core_rows, SEPARATE_TERMS_BLOCK_V), 16)
-        return VerifyConfig(block_v=BV, key_chunk=key_chunk, v_tiles=1, unroll_tokens=True,
-                            closed_form=True, tensor_cores=True, separate_terms=True,
-                            stages=TENSOR_CORE_STAGES, num_warps=SEPARATE_TERMS_WARPS)
-    if (CLOSED_FORM_UP_TO < spec_len <= TENSOR_CORES_UP_TO and key_dim >= 16
-            and statically_known_true(request_heads >= TENSOR_CORES_FROM_HEADS)):
-        BV = max(min(tensor_core_rows, TENSOR_CORE_BLOCK_V), 16)
-        return VerifyConfig(block_v=BV, key_chunk=key_chunk, v_tiles=1, unroll_tokens=True,
-                            closed_form=True, tensor_cores=True, separate_terms=False,
-                            stages=TENSOR_CORE_STAGES, num_warps=8 if BV >= 128 else 4)
-    BV = min(triton.next_power_of_2(value_dim), 32)
-    two_tiles = value_dim > BV and statically_known_true(request_heads >= TWO_TILES_FROM_HEADS)
-    closed = spec_len <= CLOSED_FORM_UP_TO
-    return VerifyConfig(
-        block_v=BV, key_chunk=key_chunk, v_tiles=2 if two_tiles else 1,
-        unroll_tokens=closed or (not two_tiles and spec_len <= UNROLL_ONE_TILE_UP_TO),
-        closed_form=closed, tensor_cores=False, separate_terms=False, stages=1, num_warps=4)
+def verify_launches(config, key_dim, value_dim, spec_len, use_lower_bound, pdl):
+    """The kernels of one verify launch: {name: (kernel, constexprs, num_warps)}.
+    tools/kernel_resources.py compiles exactly these."""
+    BK = triton.next_power_of_2(key_dim)
+    BT = triton.next_power_of_2(spec_len)
+    shape = dict(K=key_dim, BK=BK, SPEC_LEN=spec_len, BT=BT)
+    if config.separate_terms:
+        link = config.link_on_tensor_cores
+        return {
+            "window_terms": (window_terms_kernel,
+                             dict(shape, USE_LOWER_BOUND=use_lower_bound, LINK_MATRIX=link,
+                                  PDL=pdl), WINDOW_TERMS_WARPS),
+            "verify_tensor_cores": (tensor_core_verify_kernel,
+                                    dict(shape, V=value_dim, BV=config.block_v,
+                                         NP=max(16, 2 * BT), KEY_CHUNK=config.key_chunk,
+                                         STAGES=config.stages, LINK_MATRIX=link,
+                                         CHEAP_SPLIT=config.cheap_tf32_split, PDL=pdl),
+                                    config.num_warps),
+        }
+    return {"verify": (_verify_kernel, dict(
+        shape, V=value_dim, BV=config.block_v, USE_LOWER_BOUND=use_lower_bound,
+        KEY_CHUNK=config.key_chunk, V_TILES=config.v_tiles, UNROLL_TOKENS=config.unroll_tokens,
+        CLOSED_FORM=config.closed_form, TENSOR_CORES=config.tensor_cores, NP=max(16, 2 * BT),
+        STAGES=config.stages, PREFETCH_STATE=config.prefetch_state and pdl, PDL=pdl),
+        config.num_warps)}
 
 
 def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -464,49 +375,50 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     if dims.batch == 0:
         return
     num_heads, K, V = dims.num_heads, dims.key_dim, dims.value_dim
+    config = verify_config(K, V, dims.batch * num_heads, dims.spec_len)
+    launch = dependent_launch(q, dims.batch)
+    kernels = verify_launches(config, K, V, dims.spec_len, lower_bound is not None,
+                              launch["PDL"])
+    pdl_option = {"launch_pdl": True} if launch["PDL"] else {}
     BK = triton.next_power_of_2(K)
     BT = triton.next_power_of_2(dims.spec_len)
-    config = verify_config(K, V, dims.batch * num_heads, dims.spec_len)
-    BV, v_tiles, closed = config.block_v, config.v_tiles, config.closed_form
     dt_strides = (dt_bias.stride(0), dt_bias.stride(1)) if dt_bias.dim() == 2 else (
         K * dt_bias.stride(0), dt_bias.stride(0))
     index_args = (query_start_loc, state_indices)
     scalars = (dims.num_blocks, float(lower_bound or 0.0), float(scale))
-    launch = dependent_launch(q, dims.batch)
     if config.separate_terms:
-        link = dims.spec_len >= LINK_ON_TENSOR_CORES_FROM_LEN
         # Per (request, head): E k and E q of every token, and the couplings (or,
-        # with `link`, the link matrices: the same size).
+        # with the link product, the link matrices: the same size).
         terms = torch.empty((dims.batch, num_heads, 2 * BT, BK), device=q.device,
                             dtype=torch.float32)
         coupling = torch.empty((dims.batch, num_heads, 2 * BT * BT), device=q.device,
                                dtype=torch.float32)
-        wrap_triton(_window_terms_kernel)[(dims.batch, num_heads)](
+        kernel, constexprs, warps = kernels["window_terms"]
+        wrap_triton(kernel)[(dims.batch, num_heads)](
             q, k, g, beta, A_log, dt_bias, key_gate, terms, coupling, *index_args, *scalars,
             *_token_strides(q), *_token_strides(k), *_token_strides(g), *beta.stride()[-2:],
             A_log.stride(0), *dt_strides, *key_gate.stride(),
             query_start_loc.stride(0), state_indices.stride(0),
-            K=K, BK=BK, SPEC_LEN=dims.spec_len, BT=BT, USE_LOWER_BOUND=lower_bound is not None,
-            LINK_MATRIX=link, num_warps=WINDOW_TERMS_WARPS, **launch,
+            **constexprs, num_warps=warps, **pdl_option,
         )
-        wrap_triton(_tensor_core_verify_kernel)[(triton.cdiv(V, BV), dims.batch, num_heads)](
+        kernel, constexprs, warps = kernels["verify_tensor_cores"]
+        wrap_triton(kernel)[(triton.cdiv(V, config.block_v), dims.batch, num_heads)](
             v, beta, state, correction, out, terms, coupling, *index_args, dims.num_blocks,
             *_token_strides(v), *beta.stride()[-2:], *state.stride(), *correction.stride(),
             *_token_strides(out), query_start_loc.stride(0), state_indices.stride(0),
-            K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT, NP=max(16, 2 * BT),
-            KEY_CHUNK=config.key_chunk, STAGES=config.stages, LINK_MATRIX=link,
-            CHEAP_SPLIT=CHEAP_TF32_SPLIT,
-            num_warps=config.num_warps, **launch,
+            **constexprs, num_warps=warps, **pdl_option,
         )
         return
-    grid = (triton.cdiv(triton.cdiv(V, BV), v_tiles), dims.batch, num_heads)
+    grid = (triton.cdiv(triton.cdiv(V, config.block_v), config.v_tiles), dims.batch, num_heads)
+    closed = config.closed_form
     # Per (request, head, token): decay, key, query and k.q; in closed form
     # E k, E q, key, query, decay and the T x T couplings A and B.
     vectors = torch.empty((dims.batch, num_heads, BT, (5 if closed else 3) * BK),
                           device=q.device, dtype=torch.float32)
     coupling = torch.empty((dims.batch, num_heads, 2 * BT * BT if closed else BT),
                            device=q.device, dtype=torch.float32)
-    wrap_triton(_verify_kernel)[grid](
+    kernel, constexprs, warps = kernels["verify"]
+    wrap_triton(kernel)[grid](
         q, k, v, g, beta, A_log, dt_bias,
         state, correction, key_gate, out, vectors, coupling, *index_args, *scalars,
         *_token_strides(q), *_token_strides(k), *_token_strides(v), *_token_strides(g),
@@ -514,10 +426,8 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         A_log.stride(0), *dt_strides,
         *state.stride(), *correction.stride(), *key_gate.stride(), *_token_strides(out),
         query_start_loc.stride(0), state_indices.stride(0),
-        K=K, V=V, BK=BK, BV=BV, SPEC_LEN=dims.spec_len, BT=BT,
-        USE_LOWER_BOUND=lower_bound is not None, KEY_CHUNK=config.key_chunk, V_TILES=v_tiles,
-        UNROLL_TOKENS=config.unroll_tokens, CLOSED_FORM=closed,
-        TENSOR_CORES=config.tensor_cores, NP=max(16, 2 * BT), STAGES=config.stages,
-        PREFETCH_STATE=STATE_PREFETCH_BEFORE_WAIT and launch["PDL"],
-        num_warps=config.num_warps, **launch,
+        **constexprs, num_warps=warps, **pdl_option,
     )
+
+
+VERIFY_KERNELS = (_verify_kernel, window_terms_kernel, tensor_core_verify_kernel)

@@ -22,7 +22,7 @@ from .common import (block_is_valid, link_tokens, live_range, load_window,
 
 
 @triton.jit
-def _window_terms_kernel(
+def window_terms_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, key_gate_ptr, terms_ptr, coupling_ptr,
     query_start_ptr, state_indices_ptr,
     num_blocks, lower_bound, scale,
@@ -245,7 +245,7 @@ def link_on_tensor_cores(products, processed, link_at, v_rows, offs_v, stride_v_
 
 
 @triton.jit
-def _tensor_core_verify_kernel(
+def tensor_core_verify_kernel(
     v_ptr, beta_ptr, state_ptr, correction_ptr, out_ptr, terms_ptr, coupling_ptr,
     query_start_ptr, state_indices_ptr,
     num_blocks,

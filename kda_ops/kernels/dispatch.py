@@ -1,0 +1,208 @@
+"""The launch policy of every kernel: which form of verify runs, tile sizes,
+warps and programmatic launch, in one place.
+
+The launchers ask `verify_config`, `commit_config`, `conv_config` and
+`dependent_launch`; so do the tests and tools/kernel_resources.py. Thresholds
+were measured on an H200 (torch 2.11, Triton 3.6; H = 32, K = V = 128, fp32
+state, bf16 activations) unless a line says otherwise; "pairs" counts
+(request, head) pairs, batch × heads. `kernel_choices()` overrides the policy
+inside a block, for tests and measurements; it never changes results beyond
+rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+from torch._library.triton import is_wrap_triton_enabled
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+# ------------------------------------------------------------------ verify
+# Window lengths up to this run in closed form (8-13% faster than the token loop at T = 4).
+CLOSED_FORM_UP_TO = 4
+# The token loop unrolls with one V tile per program up to this length (1-35% faster at T = 4, 8).
+UNROLL_ONE_TILE_UP_TO = 8
+# Two V tiles per program from this many pairs: phase 1 once for both (4-15% faster from
+# B = 64, 45-81% slower at B = 1).
+TWO_TILES_FROM_PAIRS = 256
+# The tensor-core forms need at least 16 keys (the tensor cores' smallest K) ...
+TENSOR_CORES_MIN_KEYS = 16
+# ... and windows of at most 8 tokens (the longest measured).
+TENSOR_CORES_UP_TO = 8
+# One-kernel tensor cores for T = 5..8 from this many pairs (27-29% faster than the loop at T = 8).
+TENSOR_CORES_FROM_PAIRS = 256
+# Its tile: 128 rows with 8 warps (7-19% faster than 64 rows with 4), 3 stages (4-8% over 2).
+TENSOR_CORES_BLOCK_V = 128
+TENSOR_CORES_STAGES = 3
+# The two-kernel tensor-core form from T = 4 (7-20% faster than the FMA closed form there) ...
+SEPARATE_TERMS_FROM_LEN = 4
+# ... from this many pairs (12-22% faster at T = 8 from B = 24; even to 27% slower at B <= 16).
+SEPARATE_TERMS_FROM_PAIRS = 768
+# Its state programs: 64 rows, 4 warps; the window terms in one-warp programs.
+SEPARATE_TERMS_BLOCK_V = 64
+SEPARATE_TERMS_WARPS = 4
+WINDOW_TERMS_WARPS = 1
+# It links the tokens by a tensor-core product from T = 5 (8-10% faster at T = 8, 1-3% slower at 4).
+LINK_ON_TENSOR_CORES_FROM_LEN = 5
+
+VERIFY_FORMS = ("token_loop", "closed_form", "tensor_cores", "separate_terms")
+
+# ------------------------------------------------------------------ launches
+# Programmatic dependent launch below this batch on sm_90+: 9-13% less for 16 verifies
+# and a commit at B = 1; nothing from B = 8, up to 2% more from B = 32.
+PROGRAMMATIC_LAUNCH_BELOW_BATCH = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoices:
+    """Overrides of the policy (None: the measured default).
+
+    verify_form: one of VERIFY_FORMS, whatever the batch.
+    programmatic_launch: False launches every kernel plainly.
+    prefetch_state: whether a programmatically launched verify asks the L2 for
+        its state before its wait (16 verifies + commit at B = 1: 79 / 82 / 131
+        against 87 / 87 / 134 µs at T = 2 / 4 / 8).
+    link_on_tensor_cores: the two-kernel form's token links (default from
+        LINK_ON_TENSOR_CORES_FROM_LEN).
+    cheap_tf32_split: the two-kernel form splits its 3xTF32 operands with an
+        integer add and a mask (1-5% faster at T = 4) rather than Triton's tf32x3.
+    """
+
+    verify_form: Optional[str] = None
+    programmatic_launch: bool = True
+    prefetch_state: bool = True
+    link_on_tensor_cores: Optional[bool] = None
+    cheap_tf32_split: bool = True
+
+
+_choices: contextvars.ContextVar = contextvars.ContextVar("kda_ops_kernel_choices",
+                                                          default=KernelChoices())
+
+
+@contextlib.contextmanager
+def kernel_choices(**overrides):
+    """Overrides the launch policy inside the block (fields of KernelChoices);
+    a traced graph bakes in the choices in force when it was traced."""
+    choices = dataclasses.replace(_choices.get(), **overrides)
+    if choices.verify_form not in (None,) + VERIFY_FORMS:
+        raise ValueError(f"verify_form must be one of {VERIFY_FORMS} or None, "
+                         f"got {choices.verify_form!r}")
+    token = _choices.set(choices)
+    try:
+        yield choices
+    finally:
+        _choices.reset(token)
+
+
+def current_choices() -> KernelChoices:
+    return _choices.get()
+
+
+class VerifyConfig(NamedTuple):
+    """The compile-time choices of one verify launch."""
+
+    form: str  # one of VERIFY_FORMS
+    block_v: int
+    key_chunk: int
+    v_tiles: int
+    unroll_tokens: bool
+    stages: int
+    num_warps: int
+    link_on_tensor_cores: bool  # separate_terms only
+    cheap_tf32_split: bool  # separate_terms only
+    prefetch_state: bool  # with a programmatic launch
+
+    @property
+    def closed_form(self) -> bool:
+        return self.form != "token_loop"
+
+    @property
+    def tensor_cores(self) -> bool:
+        return self.form in ("tensor_cores", "separate_terms")
+
+    @property
+    def separate_terms(self) -> bool:
+        return self.form == "separate_terms"
+
+
+def verify_form(key_dim, request_heads, spec_len) -> str:
+    """The measured-best form for `request_heads` = batch × heads pairs. A
+    symbolic batch takes a pairs threshold only where its range proves it."""
+    tensor_cores_fit = key_dim >= TENSOR_CORES_MIN_KEYS and spec_len <= TENSOR_CORES_UP_TO
+    if (tensor_cores_fit and spec_len >= SEPARATE_TERMS_FROM_LEN
+            and statically_known_true(request_heads >= SEPARATE_TERMS_FROM_PAIRS)):
+        return "separate_terms"
+    if (tensor_cores_fit and spec_len > CLOSED_FORM_UP_TO
+            and statically_known_true(request_heads >= TENSOR_CORES_FROM_PAIRS)):
+        return "tensor_cores"
+    return "closed_form" if spec_len <= CLOSED_FORM_UP_TO else "token_loop"
+
+
+def verify_config(key_dim, value_dim, request_heads, spec_len) -> VerifyConfig:
+    """The VerifyConfig of a launch over `request_heads` = batch × heads pairs."""
+    choices = _choices.get()
+    form = choices.verify_form or verify_form(key_dim, request_heads, spec_len)
+    if form in ("tensor_cores", "separate_terms") and not (
+            key_dim >= TENSOR_CORES_MIN_KEYS and spec_len <= TENSOR_CORES_UP_TO):
+        raise ValueError(f"verify form {form!r} needs K >= {TENSOR_CORES_MIN_KEYS} and "
+                         f"T <= {TENSOR_CORES_UP_TO}, got K = {key_dim}, T = {spec_len}")
+    key_chunk = min(triton.next_power_of_2(key_dim), 32)
+    link = (spec_len >= LINK_ON_TENSOR_CORES_FROM_LEN if choices.link_on_tensor_cores is None
+            else choices.link_on_tensor_cores)
+    common = dict(form=form, key_chunk=key_chunk, link_on_tensor_cores=link,
+                  cheap_tf32_split=choices.cheap_tf32_split,
+                  prefetch_state=choices.prefetch_state)
+    rows = triton.next_power_of_2(value_dim)
+    if form == "separate_terms":
+        # 16 rows at least: smaller tiles the tensor cores only take padded.
+        return VerifyConfig(block_v=max(min(rows, SEPARATE_TERMS_BLOCK_V), 16), v_tiles=1,
+                            unroll_tokens=True, stages=TENSOR_CORES_STAGES,
+                            num_warps=SEPARATE_TERMS_WARPS, **common)
+    if form == "tensor_cores":
+        block_v = max(min(rows, TENSOR_CORES_BLOCK_V), 16)
+        return VerifyConfig(block_v=block_v, v_tiles=1, unroll_tokens=True,
+                            stages=TENSOR_CORES_STAGES, num_warps=8 if block_v >= 128 else 4,
+                            **common)
+    block_v = min(rows, 32)
+    two_tiles = (value_dim > block_v
+                 and statically_known_true(request_heads >= TWO_TILES_FROM_PAIRS))
+    return VerifyConfig(
+        block_v=block_v, v_tiles=2 if two_tiles else 1,
+        unroll_tokens=form == "closed_form" or (not two_tiles
+                                                and spec_len <= UNROLL_ONE_TILE_UP_TO),
+        stages=1, num_warps=4, **common)
+
+
+# ------------------------------------------------------------------ commit, conv
+def commit_config(value_dim):
+    """(BV, num_warps, record pipeline stages) of the state fold: 32 rows in one
+    warp with 4 stages (no spill) took T = 8 from 86-88% to 92-93% of copy from
+    B = 32, against 64 rows in two warps with 3 stages."""
+    return min(triton.next_power_of_2(value_dim), 32), 1, 4
+
+
+def conv_config(dim):
+    """(BD, num_warps) of conv_update and of commit's history compaction: four
+    channels per thread (256 / 2, 512 / 4, 1024 / 8 within 6% of each other
+    from B = 8; eight per thread took 36-56% longer from B = 128)."""
+    return min(triton.next_power_of_2(dim), 256), 2
+
+
+def dependent_launch(t, batch):
+    """Launch options of a kernel over `batch` requests on `t`'s device:
+    programmatic dependent launch where an op launches the kernel itself
+    (eagerly, from a compiled graph or an AOTInductor package for the ops that
+    write their arguments, and what a CUDA graph captures from either) on sm_90
+    or later. Launches that Inductor emits (the decomposed ops, traced with
+    wrap_triton enabled) stay plain: torch passes no launch_pdl to user kernels."""
+    # Traced first: a traced batch may be symbolic, and comparing it would
+    # add a guard (a recompile per batch size).
+    enabled = (_choices.get().programmatic_launch and not is_wrap_triton_enabled()
+               and t.is_cuda and batch < PROGRAMMATIC_LAUNCH_BELOW_BATCH
+               and torch.cuda.get_device_capability(t.device)[0] >= 9)
+    return dict(PDL=True, launch_pdl=True) if enabled else dict(PDL=False)
