@@ -5,6 +5,8 @@ Every op is a `torch.library.triton_op` in the `kda_ops` namespace
 with the argument order of SPEC §6.
 """
 
+__version__ = "0.1.0"
+
 from typing import Optional
 
 import torch
