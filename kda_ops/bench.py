@@ -28,9 +28,9 @@ import json
 import math
 
 import torch
-import triton
 
 import kda_ops
+from kda_ops import ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,14 +276,16 @@ def graph_time_us(calls):
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    from triton.testing import do_bench  # imported here: --table and the setups need no triton
+    ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
     return ms * 1e3 / len(calls)
 
 
 def copy_bandwidth(device, nbytes=2 << 30):
     src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    from triton.testing import do_bench
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -426,6 +428,9 @@ def main(argv=None):
         return
     if not torch.cuda.is_available():
         raise SystemExit("kda_ops.bench needs a CUDA GPU")
+    if ops.triton_import_error is not None:
+        raise SystemExit(ops.MISSING_TRITON)
+    import triton
     device = torch.device("cuda")
     torch.manual_seed(0)
     copy_bw, rows = run(opts.ops, opts.batches, opts.spec_lens, opts.layers, device)

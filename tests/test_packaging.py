@@ -1,6 +1,8 @@
-"""What a user installs: the version's single source, the files in the wheel."""
+"""What a user installs: the version's single source, the files in the wheel,
+and the CPU path on a machine without triton."""
 
 import importlib.metadata
+import os
 import pathlib
 import shutil
 import subprocess
@@ -10,8 +12,10 @@ import zipfile
 import pytest
 
 import kda_ops
+from kda_ops.ops import MISSING_TRITON
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE_PARENT = pathlib.Path(kda_ops.__file__).resolve().parent.parent
 
 
 def pyproject():
@@ -69,3 +73,67 @@ def test_wheel_ships_the_license_the_type_marker_and_the_version(tmp_path):
     assert "kda_ops/py.typed" in names
     assert "kda_ops/kernels/verify.py" in names
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
+
+
+# Makes `import triton` fail as it does where triton is not installed.
+BLOCK_TRITON = """
+import importlib.abc, sys
+
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] == "triton":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoTriton())
+"""
+
+# One request of a two-token window in block 1 of three: verify, then commit both tokens.
+VERIFY_AND_COMMIT = """
+import torch
+import kda_ops
+
+H, K, V, T, N = 2, 8, 8, 2, 3
+gen = torch.Generator().manual_seed(0)
+q, k, g = (torch.randn(T, H, K, generator=gen) for _ in range(3))
+v, beta = torch.randn(T, H, V, generator=gen), torch.rand(T, H, generator=gen)
+A_log, dt_bias = torch.zeros(H), torch.zeros(H, K)
+state = torch.zeros(N, H, V, K)
+correction, key_gate = torch.empty(N, H, T, V), torch.empty(N, H, T, 2 * K)
+starts, blocks = torch.tensor([0, T], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+out = kda_ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate, starts, blocks)
+kda_ops.commit(torch.tensor([T], dtype=torch.int32), blocks, starts, state=state,
+               conv_state=None, correction=correction, key_gate=key_gate, A_log=A_log,
+               dt_bias=dt_bias)
+"""
+
+
+def run_without_triton(script, interpret=False):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))}
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, "-c", BLOCK_TRITON + script], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cpu_path_works_without_triton():
+    result = run_without_triton(VERIFY_AND_COMMIT + """
+import sys
+import kda_ops.bench, kda_ops.metadata, kda_ops.models
+assert "triton" not in sys.modules
+assert out.abs().sum() > 0
+assert state[1].abs().sum() > 0 and not state[0].any() and not state[2].any()
+print("version", kda_ops.__version__)
+""")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["version", kda_ops.__version__]
+    assert "Triton not available" not in result.stderr
+
+
+def test_triton_kernels_without_triton_raise_one_clear_error():
+    """TRITON_INTERPRET=1 sends CPU tensors to the Triton kernels, as CUDA
+    tensors always are: without triton, the op names what to install."""
+    result = run_without_triton(VERIFY_AND_COMMIT, interpret=True)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == f"ImportError: {MISSING_TRITON}"
