@@ -37,6 +37,12 @@ def test_installed_metadata_matches_the_package_version():
     assert installed == kda_ops.__version__
 
 
+def test_missing_triton_error_asks_for_the_required_triton():
+    (triton,) = [dep for dep in pyproject()["project"]["dependencies"] if dep.startswith("triton")]
+    required = triton.split(";")[0].strip()
+    assert f"pip install '{required}'" in MISSING_TRITON
+
+
 def test_changelog_has_an_entry_for_the_version():
     assert f"## [{kda_ops.__version__}]" in (ROOT / "CHANGELOG.md").read_text()
 
