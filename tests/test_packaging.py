@@ -7,6 +7,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -79,6 +80,17 @@ def test_wheel_ships_the_license_the_type_marker_and_the_version(tmp_path):
     assert "kda_ops/py.typed" in names
     assert "kda_ops/kernels/verify.py" in names
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
+
+
+def test_sdist_ships_the_docs_changelog_and_tests(tmp_path):
+    sdist = build("sdist", tmp_path)
+    with tarfile.open(sdist) as archive:
+        names = {name.partition("/")[2] for name in archive.getnames()}
+    docs = {f"docs/{path.name}" for path in (ROOT / "docs").iterdir()}
+    assert docs <= names
+    assert {"README.md", "CHANGELOG.md", "LICENSE", "pyproject.toml", "kda_ops/py.typed",
+            "tests/test_bench.py", "compile_tests/conftest.py"} <= names
+    assert not any("__pycache__" in name for name in names)
 
 
 # Makes `import triton` fail as it does where triton is not installed.
