@@ -1,5 +1,5 @@
 """What a user installs: the version's single source, the files in the wheel,
-and the CPU path on a machine without triton."""
+and the CPU path where triton is not installed."""
 
 import importlib.metadata
 import os
