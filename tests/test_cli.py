@@ -16,7 +16,8 @@ from kda_ops import bench, ops
 
 PACKAGE_PARENT = pathlib.Path(kda_ops.__file__).resolve().parent.parent
 MODULES = ["kda_ops", "kda_ops.bench"]
-needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit without a CUDA GPU")
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
+                                   reason="checks the exit without a CUDA GPU")
 
 
 def run_module(module, *args):
