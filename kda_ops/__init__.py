@@ -10,6 +10,8 @@ Conventions (docs/semantics.md#9-conventions): the state is `[N, H, V, K]`
 inside); `q` and `k` are L2-normalised inside.
 """
 
+__version__ = "0.1.0"
+
 from typing import NamedTuple, Optional
 
 import torch

@@ -10,14 +10,22 @@ report gives the largest differences and the memory the records save.
 """
 
 import argparse
+import sys
 
 import torch
 
 import kda_ops
 from kda_ops import naive
+from kda_ops._cli import cpu_or_cuda_device, exit_unless_cuda_runs, positive_int
 
 
-def run_demo(device, steps, batch, num_layers=2, H=4, K=32, V=32, T=4, seed=0):
+def checkpoint_error(state, reference):
+    return ((state.cpu().double() - reference).norm() / reference.norm()).item()
+
+
+def run_demo(device, steps, batch, num_layers=2, H=4, K=32, V=32, T=4, seed=0, on_step=None):
+    """Runs the demo and returns its report; `on_step`, if given, receives a
+    line of progress after each step's commit."""
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -33,7 +41,8 @@ def run_demo(device, steps, batch, num_layers=2, H=4, K=32, V=32, T=4, seed=0):
     indices = torch.tensor(blocks, dtype=torch.int32, device=device)
     lower_bound = -5.0
     worst_out, tokens_checked, accepted_total = 0.0, 0, 0
-    for _ in range(steps):
+    for step in range(1, steps + 1):
+        step_worst_out = 0.0
         lens = torch.randint(1, T + 1, (batch,), generator=gen)
         accepted = torch.minimum(torch.randint(1, T + 1, (batch,), generator=gen), lens)
         starts = torch.zeros(batch + 1, dtype=torch.int32)
@@ -56,13 +65,19 @@ def run_demo(device, steps, batch, num_layers=2, H=4, K=32, V=32, T=4, seed=0):
                                              lower_bound, K ** -0.5)
                         reference[layer, blocks[b], h] = S
                         scale = o.abs().max().item() + 1e-6
-                        worst_out = max(worst_out, (out[tok, h].double() - o).abs().max().item() / scale)
+                        step_worst_out = max(step_worst_out,
+                                             (out[tok, h].double() - o).abs().max().item() / scale)
                     tokens_checked += 1
+        worst_out = max(worst_out, step_worst_out)
         accepted_total += int(accepted.sum())
         kda_ops.commit(accepted.to(torch.int32).to(device), indices, starts.to(device),
                        state=state, conv_state=None, correction=correction, key_gate=key_gate,
                        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
-    state_error = ((state.cpu().double() - reference).norm() / reference.norm()).item()
+        if on_step is not None:
+            on_step(f"step {step}/{steps}: {int(accepted.sum())} tokens accepted per layer, "
+                    f"max output error {step_worst_out:.2e}, "
+                    f"checkpoint error {checkpoint_error(state, reference):.2e}")
+    state_error = checkpoint_error(state, reference)
     record_bytes = H * T * (V * 4 + 2 * K * key_gate.element_size())
     full_state_bytes = H * T * V * K * 4
     return dict(device=str(device), dtype=str(dtype), steps=steps, batch=batch,
@@ -72,12 +87,25 @@ def run_demo(device, steps, batch, num_layers=2, H=4, K=32, V=32, T=4, seed=0):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=4)
+    parser = argparse.ArgumentParser(prog="python -m kda_ops",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", type=cpu_or_cuda_device,
+                        default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the ops run: cpu (float32 activations) or cuda[:N] "
+                             "(bfloat16 activations) (default: cuda when torch finds a GPU, "
+                             "else cpu)")
+    parser.add_argument("--steps", type=positive_int, default=6,
+                        help="decoding steps, each a verify of every layer and one commit "
+                             "(default: %(default)s)")
+    parser.add_argument("--batch", type=positive_int, default=4,
+                        help="requests per step, each with a window of 1 to 4 tokens "
+                             "(default: %(default)s)")
     opts = parser.parse_args(argv)
-    report = run_demo(torch.device(opts.device), opts.steps, opts.batch)
+    if opts.device.type == "cuda":
+        exit_unless_cuda_runs(parser.prog, f"--device {opts.device}", "run with --device cpu",
+                              opts.device.index)
+    report = run_demo(opts.device, opts.steps, opts.batch,
+                      on_step=lambda line: print(line, file=sys.stderr, flush=True))
     tol = 2e-2 if report["dtype"] == "torch.bfloat16" else 1e-4
     ok = report["max_output_rel_error"] < tol and report["state_rel_error"] < 1e-4
     print(f"kda_ops {opts.steps}-step speculative decoding demo on {report['device']} "

@@ -26,11 +26,12 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 
 import torch
-import triton
 
 import kda_ops
+from kda_ops._cli import exit_unless_cuda_runs, positive_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,14 +277,16 @@ def graph_time_us(calls):
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    from triton.testing import do_bench  # imported here: --table and the setups need no triton
+    ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
     return ms * 1e3 / len(calls)
 
 
 def copy_bandwidth(device, nbytes=2 << 30):
     src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    from triton.testing import do_bench
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -309,7 +312,8 @@ def run(ops, batches, spec_lens, layers, device):
                                  time_us=us, bytes=moved, bandwidth_gbs=bw / 1e9,
                                  fraction_of_copy=bw / copy_bw, floor_us=moved / copy_bw * 1e6))
                 print(f"{op:12s} T={T} B={B:4d}  {us:9.1f} us  {bw / 1e9:7.0f} GB/s  "
-                      f"{bw / copy_bw:6.1%} of copy  (floor {moved / copy_bw * 1e6:8.1f} us)", flush=True)
+                      f"{bw / copy_bw:6.1%} of copy  (floor {moved / copy_bw * 1e6:8.1f} us)",
+                      file=sys.stderr, flush=True)
                 del calls
                 torch.cuda.empty_cache()
     return copy_bw, rows
@@ -365,14 +369,8 @@ def markdown_table(runs):
     return "\n".join(lines)
 
 
-def _positive_int(text):
-    if not (text.isdigit() and int(text) > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def _int_list(text):
-    return [_positive_int(item) for item in text.split(",")]
+    return [positive_int(item) for item in text.split(",")]
 
 
 def _op_list(text):
@@ -397,6 +395,7 @@ def _saved_run(path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(
+        prog="python -m kda_ops.bench",
         description="kda_ops benchmark (CUDA): time per call and effective bandwidth as a "
                     "fraction of the device-to-device copy bandwidth measured in the same run")
     parser.add_argument("--ops", type=_op_list, default=",".join(SETUPS),
@@ -405,9 +404,9 @@ def main(argv=None):
                         help="comma-separated numbers of requests (default: %(default)s)")
     parser.add_argument("--spec-lens", type=_int_list, default="2,4,8",
                         help="comma-separated window lengths T (default: %(default)s)")
-    parser.add_argument("--layers", type=_positive_int, default=16,
-                        help="layers for commit, commit_align, verify_commit and step "
-                             "(default: %(default)s)")
+    parser.add_argument("--layers", type=positive_int, default=16,
+                        help="layers for the ops that run every layer (commit, commit_align, "
+                             "verify_commit, step, step_compiled) (default: %(default)s)")
     parser.add_argument("--json", default="bench.json",
                         help="where to write the rows and the run's GPU, versions and copy "
                              "bandwidth (default: %(default)s)")
@@ -424,8 +423,8 @@ def main(argv=None):
         if opts.plot:
             plot([row for run in opts.table for row in run["rows"]], opts.plot)
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("kda_ops.bench needs a CUDA GPU")
+    exit_unless_cuda_runs(parser.prog, "timing the ops", "--table prints saved runs without one")
+    import triton
     device = torch.device("cuda")
     torch.manual_seed(0)
     copy_bw, rows = run(opts.ops, opts.batches, opts.spec_lens, opts.layers, device)

@@ -14,6 +14,7 @@ AOTInductor functionalizes a graph (`opaque_when_functionalized`); only the
 ops that write nothing but their own outputs are decomposed into their kernels.
 """
 
+import logging
 import os
 from typing import Optional
 
@@ -26,17 +27,33 @@ from torch.library import triton_op
 from . import torch_impl, value_checks
 from ._validation import (check_aligned_state_indices, check_commit, check_conv_update,
                           check_plan, check_stage_spec_decode_metadata, check_verify)
-from .kernels.commit import launch_commit, launch_commit_plan
-from .kernels.conv import launch_conv_update
-from .kernels.metadata import launch_aligned_state_indices, launch_stage_spec_decode_metadata
-from .kernels.verify import launch_verify
+
+try:  # CPU tensors need no triton; use_triton refuses the tensors that do when it is missing
+    from .kernels.commit import launch_commit, launch_commit_plan
+    from .kernels.conv import launch_conv_update
+    from .kernels.metadata import launch_aligned_state_indices, launch_stage_spec_decode_metadata
+    from .kernels.verify import launch_verify
+except ImportError as error:
+    if error.name is None or error.name.partition(".")[0] != "triton":
+        raise
+    triton_import_error: Optional[ImportError] = error
+    # Without triton, torch warns at every triton_op below that it finds no kernels: expected here.
+    logging.getLogger("torch._library.triton").addFilter(
+        lambda record: not record.getMessage().startswith("Triton not available"))
+else:
+    triton_import_error = None
+
+MISSING_TRITON = ("kda_ops: CUDA tensors need triton (pip install 'triton>=3.6,<3.10'); "
+                  "the PyTorch path serves CPU tensors")
 
 
 def use_triton(t: Tensor) -> bool:
-    if t.is_cuda:
-        return True
     # The interpreter runs eagerly only: traced (fake) CPU tensors take the torch path.
-    return os.environ.get("TRITON_INTERPRET") == "1" and t.device.type == "cpu" and not is_fake(t)
+    needed = t.is_cuda or (os.environ.get("TRITON_INTERPRET") == "1" and t.device.type == "cpu"
+                           and not is_fake(t))
+    if needed and triton_import_error is not None:
+        raise ImportError(MISSING_TRITON) from triton_import_error
+    return needed
 
 
 def opaque_when_functionalized(op):
