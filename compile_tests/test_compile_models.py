@@ -48,7 +48,6 @@ def test_benchmark_variant():
     assert model.state.abs().sum() > 0, "benchmark caches must be random"
     inputs = model.example_inputs(shape.batch)
     assert inputs[0].shape == (shape.batch * shape.spec_len, model.hidden_size)
-    assert model.step_bytes(shape.batch) > 0
     reference = model_copy(model)
     counter = CompileCounter()
     out = torch.compile(model.step, backend=counter, fullgraph=True)(*inputs)

@@ -43,7 +43,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-import kda_ops
+from . import api
 
 
 class KDACaches(NamedTuple):
@@ -281,11 +281,11 @@ class KDADecodeStep(nn.Module):
             else:
                 mixed, g, beta = hidden.split([D, H * K, H], dim=-1)
                 g = g.view(num_tokens, H, K)
-            mixed = kda_ops.conv_update(mixed, conv[layer], self.conv_weight[layer],
+            mixed = api.conv_update(mixed, conv[layer], self.conv_weight[layer],
                                         self.conv_bias[layer], query_start_loc, state_indices,
                                         activation="silu")
             q, k, v = mixed.split([H * K, H * K, H * V], dim=-1)
-            out = kda_ops.verify(
+            out = api.verify(
                 q.view(num_tokens, H, K), k.view(num_tokens, H, K), v.view(num_tokens, H, V),
                 g, beta, self.A_log[layer], self.dt_bias[layer], c.state[layer],
                 c.correction[layer], c.key_gate[layer], query_start_loc, state_indices,
@@ -302,12 +302,12 @@ class KDADecodeStep(nn.Module):
         c = caches if caches is not None else self.buffers_as_caches()
         conv = self.conv_state_dim_first(c)
         if self.cache_layout == "stacked":
-            kda_ops.commit(num_accepted_tokens, state_indices, query_start_loc, state=c.state,
+            api.commit(num_accepted_tokens, state_indices, query_start_loc, state=c.state,
                            conv_state=conv, correction=c.correction, key_gate=c.key_gate,
                            A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound)
             return
         for layer in range(self.num_layers):
-            kda_ops.commit(num_accepted_tokens, state_indices, query_start_loc,
+            api.commit(num_accepted_tokens, state_indices, query_start_loc,
                            state=c.state[layer], conv_state=conv[layer],
                            correction=c.correction[layer], key_gate=c.key_gate[layer],
                            A_log=self.A_log[layer], dt_bias=self.dt_bias[layer],
@@ -338,18 +338,6 @@ class KDADecodeStep(nn.Module):
         indices = torch.arange(1, batch + 1, device=device, dtype=torch.int32)
         accepted = torch.full((batch,), T, device=device, dtype=torch.int32)
         return hidden, qsl, indices, accepted
-
-    def step_bytes(self, batch: int, accepted: Optional[int] = None) -> int:
-        """Bytes one `decode_step` of `batch` full windows must move through the
-        KDA ops (each input read once, each output written once; projections
-        not counted): per layer conv_update + verify, then the commit of
-        `accepted` tokens (default T) per request (`kda_ops.bench.step_bytes`)."""
-        from .bench import Shape, step_bytes  # bench builds on this module
-        shape = Shape(batch=batch, spec_len=self.spec_len, layers=self.num_layers,
-                      heads=self.num_heads, key_dim=self.key_dim, value_dim=self.value_dim,
-                      conv_width=self.conv_width, act_dtype=self.dtype,
-                      state_dtype=self.state_dtype)
-        return step_bytes(shape, accepted)
 
     def extra_repr(self) -> str:
         return (f"layers={self.num_layers}, heads={self.num_heads}, key_dim={self.key_dim}, "

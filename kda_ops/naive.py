@@ -9,7 +9,7 @@ import math
 
 import torch
 
-NULL_BLOCK = 0
+from .constants import NULL_BLOCK
 
 
 def gate(raw_g, dt_bias, A_log, lower_bound):

@@ -31,7 +31,7 @@ from ._validation import (check_aligned_state_indices, check_commit, check_conv_
 try:  # CPU tensors need no triton; use_triton refuses the tensors that do when it is missing
     from .kernels.commit import launch_commit, launch_commit_plan
     from .kernels.conv import launch_conv_update
-    from .kernels.metadata import launch_aligned_state_indices, launch_stage_spec_decode_metadata
+    from .kernels.staging import launch_aligned_state_indices, launch_stage_spec_decode_metadata
     from .kernels.verify import launch_verify
 except ImportError as error:
     if error.name is None or error.name.partition(".")[0] != "triton":

@@ -8,7 +8,7 @@ that must stay untouched are written back with their old values (bit-identical).
 import torch
 import torch.nn.functional as F
 
-NULL_BLOCK = 0
+from .constants import NULL_BLOCK
 
 
 def kda_gate(raw_g, dt_bias, A_log, lower_bound):

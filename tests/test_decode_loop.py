@@ -15,7 +15,7 @@ import torch
 
 import kda_ops
 from kda_ops import naive
-from kda_ops.metadata import SpecDecodeGraphBuffers, plan_batch
+from kda_ops.planner import SpecDecodeGraphBuffers, plan_batch
 
 from helpers import DEVICES, assert_rel_close, query_start_loc, requires_cuda
 

@@ -138,7 +138,7 @@ def run_without_triton(script, interpret=False):
 def test_cpu_path_works_without_triton():
     result = run_without_triton(VERIFY_AND_COMMIT + """
 import sys
-import kda_ops.bench, kda_ops.metadata, kda_ops.models
+import kda_ops.bench, kda_ops.planner, kda_ops.models
 assert "triton" not in sys.modules
 assert out.abs().sum() > 0
 assert state[1].abs().sum() > 0 and not state[0].any() and not state[2].any()

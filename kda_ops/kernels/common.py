@@ -5,9 +5,10 @@ linking and the commit plan. The launch policy is in dispatch.py."""
 import triton
 import triton.language as tl
 
-# State block 0 is the null block: an index <= NULL_BLOCK marks a padding row.
+from ..constants import NULL_BLOCK as NULL_BLOCK_INDEX
+
 # A constexpr, because @triton.jit code may read no other kind of global.
-NULL_BLOCK = tl.constexpr(0)
+NULL_BLOCK = tl.constexpr(NULL_BLOCK_INDEX)
 
 
 @triton.jit

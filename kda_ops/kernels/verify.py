@@ -16,10 +16,10 @@ number of (request, head) pairs:
 - Closed form up to dispatch.CLOSED_FORM_UP_TO = 4 tokens: the state is read by 2T
   independent products with the checkpoint (every token's decayed key and
   query), and a T x T coupling from phase 1 links the tokens.
-- Tensor cores in one kernel (T = 5 to 8, from TENSOR_CORES_FROM_HEADS pairs):
+- Tensor cores in one kernel (T = 5 to 8, from dispatch.TENSOR_CORES_FROM_PAIRS pairs):
   the closed form with its `[V, 2T]` product on tensor cores, one program per
   (request, head).
-- Tensor cores in two kernels (T = 4 to 8, from SEPARATE_TERMS_FROM_HEADS
+- Tensor cores in two kernels (T = 4 to 8, from dispatch.SEPARATE_TERMS_FROM_PAIRS
   pairs; verify_tensor_cores.py): the window terms in one-warp programs of
   their own, then programs that only stream the state through 3xTF32
   products; from five tokens one more tensor-core product links the tokens.

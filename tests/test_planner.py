@@ -7,7 +7,7 @@ import torch._dynamo.testing
 
 import kda_ops
 from kda_ops import NULL_BLOCK, torch_impl
-from kda_ops.metadata import SpecDecodeGraphBuffers, plan_batch
+from kda_ops.planner import SpecDecodeGraphBuffers, plan_batch
 
 from helpers import DEVICES, query_start_loc, requires_cuda
 

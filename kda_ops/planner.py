@@ -18,7 +18,8 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from . import NULL_BLOCK, aligned_state_indices, stage_spec_decode_metadata
+from .api import aligned_state_indices, stage_spec_decode_metadata
+from .constants import NULL_BLOCK
 from ._validation import INDEX_DTYPES, _fail, check_tensor
 
 CACHE_MODES = ("none", "align")
