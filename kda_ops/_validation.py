@@ -134,6 +134,13 @@ def _request_metadata(query_start_loc, state_indices, device):
     return batch
 
 
+def _correction_is_float32(correction):
+    if isinstance(correction, torch.Tensor) and correction.dtype != torch.float32:
+        _fail("correction", f"must have dtype torch.float32, got {correction.dtype} (a "
+              f"module.to(dtype) converts buffers: keep the correction float32, see "
+              f"docs/integration.md#7-caches-in-a-model-dtypes-and-gradients)")
+
+
 @dataclass(frozen=True)
 class VerifyDims:
     num_tokens: int
@@ -170,6 +177,7 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                  dtypes=STATE_DTYPES, device=device, inner_dims=3)
     num_blocks = state.shape[0]
     _has_null_block("state", state, num_blocks)
+    _correction_is_float32(correction)
     check_tensor("correction", correction, shape=(num_blocks, num_heads, None, value_dim),
                  dtypes=(torch.float32,), device=device, written=True, inner_dims=3)
     spec_len = correction.shape[2]
@@ -263,6 +271,7 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
     num_blocks, num_heads, value_dim, key_dim = state.shape[-4:]
     _has_features("state", state, value_dim, key_dim)
     _has_null_block("state", state, num_blocks)
+    _correction_is_float32(correction)
     check_tensor("correction", correction, shape=lead + (num_blocks, num_heads, None, value_dim),
                  dtypes=(torch.float32,), device=device, inner_dims=3)
     spec_len = correction.shape[-2]

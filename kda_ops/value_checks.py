@@ -127,6 +127,8 @@ def _records_key(key_gate, offset):
 
 
 def record_gates(key_gate, A_log, dt_bias, lower_bound):
+    for stale in [key for key, seen in _gates_by_records.items() if seen[0]() is None]:
+        del _gates_by_records[stale]  # records of freed tensors
     key, base = _records_key(key_gate, key_gate.storage_offset())
     _gates_by_records[key] = (weakref.ref(base), A_log.detach().cpu().clone(),
                               dt_bias.detach().cpu().reshape(-1).clone(), lower_bound)

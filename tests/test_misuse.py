@@ -457,3 +457,15 @@ def test_conv1d_weight_gets_a_hint():
     assert weight.shape == (12, 1, 4)
     with pytest.raises(ValueError, match=r"nn.Conv1d weight \[D, 1, W\]: pass weight.squeeze\(1\)"):
         kda_ops.conv_update(*(dict(args, weight=weight)[n] for n in CONV_POSITIONAL))
+
+
+def test_a_converted_correction_gets_a_hint():
+    """A model of one's own whose `.to(torch.bfloat16)` converted the records."""
+    args, _ = clean_verify_problem("cpu")
+    with pytest.raises(ValueError, match=r"`correction` must have dtype torch.float32, got "
+                                         r"torch.bfloat16 \(a module.to\(dtype\) converts"):
+        call_verify(dict(args, correction=args["correction"].bfloat16()))
+    commit_args, _ = clean_commit_problem("cpu")
+    pos, kw = split_commit(commit_args)
+    with pytest.raises(ValueError, match=r"module.to\(dtype\) converts buffers"):
+        kda_ops.commit(*pos, **dict(kw, correction=kw["correction"].bfloat16()))
