@@ -16,7 +16,7 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _fail(name: str, message: str) -> None:
+def fail(name: str, message: str) -> None:
     raise ValueError(f"kda_ops: `{name}` {message}")
 
 
@@ -41,29 +41,29 @@ def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None, wr
     blocks, layers and tokens in int64 and the last `inner_dims` dims (one
     block's or token's elements) in int32, so those must span < 2**31."""
     if not isinstance(t, torch.Tensor):
-        _fail(name, f"must be a tensor, got {type(t).__name__}")
+        fail(name, f"must be a tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
-        _fail(name, f"must be a dense (strided) tensor, got layout {t.layout}")
+        fail(name, f"must be a dense (strided) tensor, got layout {t.layout}")
     if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
-        _fail(name, f"must have {ndim} dims, got shape {_shape(t)}")
+        fail(name, f"must have {ndim} dims, got shape {_shape(t)}")
     if shape is not None:
         if t.dim() != len(shape) or any(
             want is not None and got != want for got, want in zip(t.shape, shape)
         ):
             expected = tuple("*" if s is None else s for s in shape)
-            _fail(name, f"must have shape {expected}, got {_shape(t)}")
+            fail(name, f"must have shape {expected}, got {_shape(t)}")
     if dtypes is not None and t.dtype not in dtypes:
-        _fail(name, f"must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+        fail(name, f"must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if device is not None and t.device != device:
-        _fail(name, f"must be on {device} like the other tensors, got {t.device}")
+        fail(name, f"must be on {device} like the other tensors, got {t.device}")
     if written and overlaps_itself(t):
-        _fail(name, f"is written, so it must not overlap itself (ordered by stride, each dim "
+        fail(name, f"is written, so it must not overlap itself (ordered by stride, each dim "
               f"must step past the span of the smaller ones), got strides {tuple(t.stride())} "
               f"for shape {_shape(t)}")
     if inner_dims is not None and t.dim() >= inner_dims and sum(
             (size - 1) * abs(stride) for size, stride in
             zip(t.shape[t.dim() - inner_dims:], t.stride()[t.dim() - inner_dims:])) >= 2**31:
-        _fail(name, f"must keep each block's (or token's) elements within 2**31 elements of "
+        fail(name, f"must keep each block's (or token's) elements within 2**31 elements of "
               f"each other, got strides {tuple(t.stride())} for shape {_shape(t)}")
 
 
@@ -87,10 +87,10 @@ def _token_view(name, t, leading_ndim):
     shape without the optional leading 1."""
     if t.dim() == leading_ndim + 1:
         if t.shape[0] != 1:
-            _fail(name, f"may have an extra leading dim only of size 1, got shape {_shape(t)}")
+            fail(name, f"may have an extra leading dim only of size 1, got shape {_shape(t)}")
         return tuple(t.shape[1:])
     if t.dim() != leading_ndim:
-        _fail(name, f"must have {leading_ndim} dims (or {leading_ndim + 1} with a leading 1), "
+        fail(name, f"must have {leading_ndim} dims (or {leading_ndim + 1} with a leading 1), "
               f"got shape {_shape(t)}")
     return tuple(t.shape)
 
@@ -103,19 +103,19 @@ def _gate_params(A_log, dt_bias, num_heads, key_dim, device, num_layers=None):
                  device=device)
     check_tensor("dt_bias", dt_bias, dtypes=ACTIVATION_DTYPES, device=device)
     if _shape(dt_bias) not in (lead + (num_heads, key_dim), lead + (num_heads * key_dim,)):
-        _fail("dt_bias", f"must have shape {lead + (num_heads, key_dim)} or "
+        fail("dt_bias", f"must have shape {lead + (num_heads, key_dim)} or "
               f"{lead + (num_heads * key_dim,)}, got {_shape(dt_bias)}")
 
 
 def _has_features(name, t, *sizes):
     """Head and channel dims hold at least one element (the kernels tile them)."""
     if any(size < 1 for size in sizes):
-        _fail(name, f"must have non-empty head / channel dims, got shape {_shape(t)}")
+        fail(name, f"must have non-empty head / channel dims, got shape {_shape(t)}")
 
 
 def _has_null_block(name, t, num_blocks):
     if num_blocks < 1:
-        _fail(name, f"must hold at least block 0, the null block, got shape {_shape(t)}")
+        fail(name, f"must hold at least block 0, the null block, got shape {_shape(t)}")
 
 
 def _request_metadata(query_start_loc, state_indices, device):
@@ -129,14 +129,14 @@ def _request_metadata(query_start_loc, state_indices, device):
                     "query_start_loc, state_indices); commit, commit_plan and "
                     "stage_spec_decode_metadata take (num_accepted_tokens, state_indices, "
                     "query_start_loc))")
-        _fail("query_start_loc", f"must have shape ({batch + 1},) (one more entry than "
+        fail("query_start_loc", f"must have shape ({batch + 1},) (one more entry than "
               f"state_indices), got {_shape(query_start_loc)}{hint}")
     return batch
 
 
 def _correction_is_float32(correction):
     if isinstance(correction, torch.Tensor) and correction.dtype != torch.float32:
-        _fail("correction", f"must have dtype torch.float32, got {correction.dtype} (a "
+        fail("correction", f"must have dtype torch.float32, got {correction.dtype} (a "
               f"module.to(dtype) converts buffers: keep the correction float32, see "
               f"docs/integration.md#7-caches-in-a-model-dtypes-and-gradients)")
 
@@ -161,16 +161,16 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     for name, t in (("k", k), ("g", g)):
         check_tensor(name, t, dtypes=(q.dtype,), device=device, inner_dims=2)
         if _shape(t) != _shape(q):
-            _fail(name, f"must have the shape of q {_shape(q)}, got {_shape(t)}")
+            fail(name, f"must have the shape of q {_shape(q)}, got {_shape(t)}")
     check_tensor("v", v, dtypes=(q.dtype,), device=device, inner_dims=2)
     v_shape = _token_view("v", v, 3)
     if v.dim() != q.dim() or v_shape[:2] != (num_tokens, num_heads):
-        _fail("v", f"must have shape {_shape(q)[:-1] + ('V',)}, got {_shape(v)}")
+        fail("v", f"must have shape {_shape(q)[:-1] + ('V',)}, got {_shape(v)}")
     value_dim = v_shape[2]
     _has_features("v", v, value_dim)
     check_tensor("beta", beta, dtypes=ACTIVATION_DTYPES, device=device, inner_dims=1)
     if beta.dim() != q.dim() - 1 or _token_view("beta", beta, 2) != (num_tokens, num_heads):
-        _fail("beta", f"must have shape {_shape(q)[:-1]}, got {_shape(beta)}")
+        fail("beta", f"must have shape {_shape(q)[:-1]}, got {_shape(beta)}")
     _gate_params(A_log, dt_bias, num_heads, key_dim, device)
 
     check_tensor("state", state, shape=(None, num_heads, value_dim, key_dim),
@@ -182,7 +182,7 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                  dtypes=(torch.float32,), device=device, written=True, inner_dims=3)
     spec_len = correction.shape[2]
     if spec_len < 1:
-        _fail("correction", f"must hold at least one token per window, got shape "
+        fail("correction", f"must hold at least one token per window, got shape "
               f"{_shape(correction)}")
     check_tensor("key_gate", key_gate, shape=(num_blocks, num_heads, spec_len, 2 * key_dim),
                  dtypes=(k.dtype,), device=device, written=True, inner_dims=3)
@@ -195,19 +195,19 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
 
 def check_lower_bound(lower_bound):
     if lower_bound is not None and not (_is_float(lower_bound) and lower_bound < 0):
-        _fail("lower_bound", f"must be a negative float or None, got {lower_bound!r}")
+        fail("lower_bound", f"must be a negative float or None, got {lower_bound!r}")
 
 
 def check_scale(scale):
     if scale is not None and not _is_float(scale):
-        _fail("scale", f"must be a float or None, got {scale!r}")
+        fail("scale", f"must be a float or None, got {scale!r}")
 
 
 def _positive_int(name, value):
     # The schema's int arguments arrive as ints (the dispatcher has already
     # turned a bool into one and refused a float) or, traced, as SymInts.
     if value < 1:
-        _fail(name, f"must be a positive int, got {value!r}")
+        fail(name, f"must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -227,19 +227,19 @@ def check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
         check_tensor("request_indices", request_indices, shape=(batch,), dtypes=INDEX_DTYPES,
                      device=device)
     elif num_accepted_tokens.shape[0] < batch:
-        _fail("num_accepted_tokens", f"must have at least {batch} entries (one per request "
+        fail("num_accepted_tokens", f"must have at least {batch} entries (one per request "
               f"without request_indices), got shape {_shape(num_accepted_tokens)}")
     align_args = {"block_table": block_table, "num_computed_tokens": num_computed_tokens,
                   "block_size": block_size}
     given = [name for name, a in align_args.items() if a is not None]
     if given and len(given) != 3:
         missing = [name for name in align_args if name not in given]
-        _fail(missing[0], f"is required in align mode (given: {', '.join(given)})")
+        fail(missing[0], f"is required in align mode (given: {', '.join(given)})")
     align = bool(given)
     if align:
         check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, device=device)
         if block_table.shape[1] < 1:
-            _fail("block_table", f"must have at least one column, got {_shape(block_table)}")
+            fail("block_table", f"must have at least one column, got {_shape(block_table)}")
         rows = block_table.shape[0]
         check_tensor("num_computed_tokens", num_computed_tokens, shape=(rows,),
                      dtypes=INDEX_DTYPES, device=device)
@@ -276,7 +276,7 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
                  dtypes=(torch.float32,), device=device, inner_dims=3)
     spec_len = correction.shape[-2]
     if spec_len < 1:
-        _fail("correction", f"must hold at least one token per window, got shape "
+        fail("correction", f"must hold at least one token per window, got shape "
               f"{_shape(correction)}")
     check_tensor("key_gate", key_gate, shape=lead + (num_blocks, num_heads, spec_len, 2 * key_dim),
                  dtypes=ACTIVATION_DTYPES, device=device, inner_dims=3)
@@ -291,7 +291,7 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
         _has_features("conv_state", conv_state, conv_dim)
         conv_history = conv_state.shape[-1] - (spec_len - 1)
         if conv_history < 1:
-            _fail("conv_state", f"must have W-1+T-1 >= T columns for T={spec_len} "
+            fail("conv_state", f"must have W-1+T-1 >= T columns for T={spec_len} "
                   f"(viewed [N, D, W-1+T-1]), got shape {_shape(conv_state)}")
     plan = check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                       request_indices, block_table, num_computed_tokens, block_size, device)
@@ -305,7 +305,7 @@ CONV_ACTIVATIONS = ("silu", None)
 
 def check_activation(activation):
     if activation not in CONV_ACTIVATIONS:
-        _fail("activation", f"must be one of {list(CONV_ACTIVATIONS)}, got {activation!r}")
+        fail("activation", f"must be one of {list(CONV_ACTIVATIONS)}, got {activation!r}")
 
 
 @dataclass(frozen=True)
@@ -328,16 +328,16 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
                  device=device, written=True, inner_dims=2)
     _has_null_block("conv_state", conv_state, conv_state.shape[0])
     if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[1] == 1:
-        _fail("weight", f"must have shape ({dim}, W), got {_shape(weight)} (an nn.Conv1d "
+        fail("weight", f"must have shape ({dim}, W), got {_shape(weight)} (an nn.Conv1d "
               f"weight [D, 1, W]: pass weight.squeeze(1))")
     check_tensor("weight", weight, shape=(dim, None), dtypes=ACTIVATION_DTYPES, device=device)
     width = weight.shape[1]
     # The history keeps W-1 >= 1 columns, from which commit drops the oldest.
     if width < 2:
-        _fail("weight", f"must have shape ({dim}, W) with W >= 2, got {_shape(weight)}")
+        fail("weight", f"must have shape ({dim}, W) with W >= 2, got {_shape(weight)}")
     spec_len = conv_state.shape[2] - (width - 1) + 1
     if spec_len < 1:
-        _fail("conv_state", f"must have W-1+T-1 >= {width - 1} columns for W={width} "
+        fail("conv_state", f"must have W-1+T-1 >= {width - 1} columns for W={width} "
               f"(viewed [N, D, W-1+T-1]), got shape {_shape(conv_state)}")
     if bias is not None:
         check_tensor("bias", bias, shape=(dim,), dtypes=ACTIVATION_DTYPES, device=device)
@@ -368,7 +368,7 @@ def check_stage_spec_decode_metadata(state_indices, query_start_loc, num_accepte
     check_tensor("num_accepted_tokens", num_accepted_tokens, ndim=1, dtypes=INDEX_DTYPES,
                  device=device)
     if num_accepted_tokens.shape[0] < source_rows:
-        _fail("num_accepted_tokens", f"must have at least {source_rows} entries (one per row "
+        fail("num_accepted_tokens", f"must have at least {source_rows} entries (one per row "
               f"of state_indices), got shape {_shape(num_accepted_tokens)}")
     slots = tuple(state_indices.shape[1:])
     check_tensor("staged_state_indices", staged_state_indices, shape=(None,) + slots,
@@ -382,10 +382,10 @@ def check_stage_spec_decode_metadata(state_indices, query_start_loc, num_accepte
     if isinstance(num_spec_decodes, torch.Tensor):
         check_tensor("num_spec_decodes", num_spec_decodes, dtypes=INDEX_DTYPES, device=device)
         if num_spec_decodes.numel() != 1:
-            _fail("num_spec_decodes", f"must hold one element, got shape "
+            fail("num_spec_decodes", f"must hold one element, got shape "
                   f"{_shape(num_spec_decodes)}")
     elif not 0 <= num_spec_decodes <= count_limit:  # an int or SymInt, as in _positive_int
-        _fail("num_spec_decodes", f"must be an int in [0, {count_limit}] (at most the rows of "
+        fail("num_spec_decodes", f"must be an int in [0, {count_limit}] (at most the rows of "
               f"state_indices and of staged_state_indices) or a one-element tensor, "
               f"got {num_spec_decodes!r}")
     return count_limit
@@ -396,11 +396,11 @@ def check_int(name, value):
     called: the dispatcher would turn a bool into an int and reject a float
     with a RuntimeError."""
     if not _is_int(value):
-        _fail(name, f"must be an int, got {value!r}")
+        fail(name, f"must be an int, got {value!r}")
 
 
 def check_int_or_tensor(name, value):
     """As `check_int`, for arguments that pick between an int schema and a
     tensor schema."""
     if not isinstance(value, torch.Tensor) and not _is_int(value):
-        _fail(name, f"must be an int or a one-element tensor, got {value!r}")
+        fail(name, f"must be an int or a one-element tensor, got {value!r}")

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .api import aligned_state_indices, stage_spec_decode_metadata
 from .constants import NULL_BLOCK
-from ._validation import INDEX_DTYPES, _fail, check_tensor
+from ._validation import INDEX_DTYPES, fail, check_tensor
 
 CACHE_MODES = ("none", "align")
 
@@ -187,7 +187,7 @@ def plan_batch(
     starts = query_start_loc_cpu[:-1].long()
     query_lens = query_start_loc_cpu[1:].long() - starts
     if (query_lens < 0).any():
-        _fail("query_start_loc_cpu", "must be non-decreasing")
+        fail("query_start_loc_cpu", "must be non-decreasing")
     active = query_lens > 0
     drafting = (torch.zeros_like(active) if num_draft_tokens is None
                 else num_draft_tokens >= 0)
@@ -207,7 +207,7 @@ def plan_batch(
         last_col = (computed + query_lens - 1).clamp(min=0) // block_size
         short = active & (last_col >= block_table.shape[1])
         if short.any():
-            _fail("block_table", f"has {block_table.shape[1]} columns, too few for rows "
+            fail("block_table", f"has {block_table.shape[1]} columns, too few for rows "
                   f"{short.nonzero()[:, 0].tolist()} at block_size={block_size}")
         # A checkpoint that fills its block moves on with the next token.
         moves = is_spec & (computed > 0) & (computed % block_size == 0)
@@ -311,7 +311,7 @@ def _check_plan_inputs(query_start_loc_cpu, query_start_loc, is_prefilling, bloc
     check_tensor("query_start_loc_cpu", query_start_loc_cpu, ndim=1, dtypes=INDEX_DTYPES,
                  device=cpu)
     if query_start_loc_cpu.shape[0] < 1:
-        _fail("query_start_loc_cpu", "must have R+1 >= 1 entries")
+        fail("query_start_loc_cpu", "must have R+1 >= 1 entries")
     rows = query_start_loc_cpu.shape[0] - 1
     check_tensor("query_start_loc", query_start_loc, shape=(rows + 1,), dtypes=INDEX_DTYPES)
     device = query_start_loc.device
@@ -323,24 +323,24 @@ def _check_plan_inputs(query_start_loc_cpu, query_start_loc, is_prefilling, bloc
     check_tensor("block_table", block_table, shape=(rows, None), dtypes=INDEX_DTYPES,
                  device=device)
     if block_table.shape[1] < 1:
-        _fail("block_table", f"must have at least one column, got shape "
+        fail("block_table", f"must have at least one column, got shape "
               f"{tuple(block_table.shape)}")
     if isinstance(spec_len, bool) or not isinstance(spec_len, int) or spec_len < 1:
-        _fail("spec_len", f"must be a positive int, got {spec_len!r}")
+        fail("spec_len", f"must be a positive int, got {spec_len!r}")
     if cache_mode not in CACHE_MODES:
-        _fail("cache_mode", f"must be one of {list(CACHE_MODES)}, got {cache_mode!r}")
+        fail("cache_mode", f"must be one of {list(CACHE_MODES)}, got {cache_mode!r}")
     if cache_mode == "align":
         if num_computed_tokens is None:
-            _fail("num_computed_tokens", 'is required in cache mode "align"')
+            fail("num_computed_tokens", 'is required in cache mode "align"')
         check_tensor("num_computed_tokens", num_computed_tokens, shape=(rows,),
                      dtypes=INDEX_DTYPES, device=cpu)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            _fail("block_size", f'must be a positive int in cache mode "align", got '
+            fail("block_size", f'must be a positive int in cache mode "align", got '
                   f"{block_size!r}")
         # commit writes one boundary state per request: a window of T tokens
         # must not fill a block and then complete another before its last one.
         if block_size < spec_len - 1:
-            _fail("block_size", f'must be at least spec_len - 1 = {spec_len - 1} in cache mode '
+            fail("block_size", f'must be at least spec_len - 1 = {spec_len - 1} in cache mode '
                   f'"align" (commit writes one boundary state per request), got {block_size}')
     return device
 
@@ -382,7 +382,7 @@ class SpecDecodeGraphBuffers:
     def views(self, batch_size: Optional[int] = None) -> StagedSpecDecodeMetadata:
         batch = self.max_batch_size if batch_size is None else batch_size
         if not 0 <= batch <= self.max_batch_size:
-            _fail("batch_size", f"must be in [0, {self.max_batch_size}], got {batch}")
+            fail("batch_size", f"must be in [0, {self.max_batch_size}], got {batch}")
         return StagedSpecDecodeMetadata(self.state_indices[:batch],
                                         self.query_start_loc[:batch + 1],
                                         self.num_accepted_tokens[:batch])
@@ -409,12 +409,12 @@ class SpecDecodeGraphBuffers:
         spec = plan.spec
         others = plan.decode.num_requests + plan.prefill.num_requests
         if others or spec.request_indices is not None:
-            _fail("plan", "must hold only speculative decodes, first in the batch, to be staged "
+            fail("plan", "must hold only speculative decodes, first in the batch, to be staged "
                   f"(got {plan.decode.num_requests} decodes, {plan.prefill.num_requests} "
                   "prefills)")
         batch = self.max_batch_size if batch_size is None else batch_size
         if spec.num_requests > batch:
-            _fail("batch_size", f"must hold the plan's {spec.num_requests} speculative requests, "
+            fail("batch_size", f"must hold the plan's {spec.num_requests} speculative requests, "
                   f"got {batch}")
         accepted = (None if num_accepted_tokens is None
                     else plan.spec_accepted(num_accepted_tokens))

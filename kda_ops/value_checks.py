@@ -20,7 +20,7 @@ import weakref
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from ._validation import _fail
+from ._validation import fail
 
 ENV_VAR = "KDA_OPS_CHECK_VALUES"
 _setting: contextvars.ContextVar = contextvars.ContextVar("kda_ops_value_checks", default=None)
@@ -66,19 +66,19 @@ def check_windows(query_start_loc, spec_len, *, num_tokens=None, tokens_name="q"
     most `spec_len` tokens. Returns the window lengths (host)."""
     starts = _host(query_start_loc)
     if starts.numel() and starts[0] < 0:
-        _fail("query_start_loc", f"must start at 0 or more, got query_start_loc[0] = "
+        fail("query_start_loc", f"must start at 0 or more, got query_start_loc[0] = "
               f"{starts[0].item()}")
     lengths = starts[1:] - starts[:-1]
     for row in (lengths < 0).nonzero().flatten().tolist():
-        _fail("query_start_loc", f"must not decrease: row {row}'s window is "
+        fail("query_start_loc", f"must not decrease: row {row}'s window is "
               f"[{starts[row].item()}, {starts[row + 1].item()})")
     if num_tokens is not None:
         for row in (starts[1:] > num_tokens).nonzero().flatten().tolist():
-            _fail("query_start_loc", f"row {row}'s window [{starts[row].item()}, "
+            fail("query_start_loc", f"row {row}'s window [{starts[row].item()}, "
                   f"{starts[row + 1].item()}) runs past the {num_tokens} tokens of "
                   f"`{tokens_name}`")
     for row in (lengths > spec_len).nonzero().flatten().tolist():
-        _fail("query_start_loc", f"row {row}'s window holds {lengths[row].item()} tokens, more "
+        fail("query_start_loc", f"row {row}'s window holds {lengths[row].item()} tokens, more "
               f"than T = {spec_len} ({spec_len_from})")
     return lengths
 
@@ -89,13 +89,13 @@ def check_blocks(state_indices, num_blocks=None, *, cache_name="state"):
     indices = _host(state_indices)
     if num_blocks is not None:
         for row in (indices >= num_blocks).nonzero().flatten().tolist():
-            _fail("state_indices", f"row {row}'s block {indices[row].item()} is outside "
+            fail("state_indices", f"row {row}'s block {indices[row].item()} is outside "
                   f"`{cache_name}`'s {num_blocks} blocks (<= 0 marks a padding row)")
     seen = {}
     for row, block in enumerate(indices.tolist()):
         if block > 0:
             if block in seen:
-                _fail("state_indices", f"rows {seen[block]} and {row} share block {block}: a "
+                fail("state_indices", f"rows {seen[block]} and {row} share block {block}: a "
                       f"block serves one live request per call")
             seen[block] = row
     return indices
@@ -111,7 +111,7 @@ def check_accepted(num_accepted_tokens, request_indices, indices, lengths):
             continue
         count = accepted[row].item()
         if not 0 <= count <= lengths[b].item():
-            _fail("num_accepted_tokens", f"[{row}] = {count} (row {b}) must lie in "
+            fail("num_accepted_tokens", f"[{row}] = {count} (row {b}) must lie in "
                   f"[0, {lengths[b].item()}], the length of row {b}'s window")
 
 
@@ -152,10 +152,10 @@ def check_gates(key_gate, A_log, dt_bias, lower_bound, stacked):
         for name, value, used in (("A_log", given["A_log"], seen_A_log),
                                   ("dt_bias", given["dt_bias"], seen_dt_bias)):
             if not torch.equal(value.detach().cpu(), used):
-                _fail(name, f"differs{where} from the {name} that verify used to write these "
+                fail(name, f"differs{where} from the {name} that verify used to write these "
                       f"records: verify and commit must get the same gate parameters")
         if lower_bound != seen_lower_bound:
-            _fail("lower_bound", f"is {lower_bound!r}{where}, but verify wrote these records "
+            fail("lower_bound", f"is {lower_bound!r}{where}, but verify wrote these records "
                   f"with lower_bound={seen_lower_bound!r}: verify and commit must get the same "
                   f"gate parameters")
 
@@ -192,6 +192,6 @@ def check_stage_values(query_start_loc, num_spec_decodes, count_limit):
     if isinstance(num_spec_decodes, torch.Tensor):
         count = _host(num_spec_decodes).item()
         if not 0 <= count <= count_limit:
-            _fail("num_spec_decodes", f"holds {count}, outside [0, {count_limit}] (the rows of "
+            fail("num_spec_decodes", f"holds {count}, outside [0, {count_limit}] (the rows of "
                   f"state_indices and of the staged buffers)")
     check_windows(query_start_loc, spec_len=float("inf"))
