@@ -163,7 +163,7 @@ def op_problems(device, seed=0):
                     correction=rand(N, heads, spec_len, V),
                     key_gate=rand(N, heads, spec_len, 2 * K),
                     query_start_loc=_qsl(lens, device), state_indices=ints(indices),
-                    out=rand(tokens, heads, V))
+                    lower_bound=None, scale=None, out=rand(tokens, heads, V))
 
     # The metadata tensors shared with commit's problems.
     verify_args = dict(verify_kwargs(H, T, lens, indices), query_start_loc=qsl, state_indices=si)

@@ -68,7 +68,7 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
     # Positional: Dynamo graph-breaks on any op given a non-contiguous `out=`
     # keyword (its rule for out= variants), and `out` may be a strided view.
     _ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                query_start_loc, state_indices, out, lower_bound, scale)
+                query_start_loc, state_indices, lower_bound, scale, out)
     return _ops.inference_only("verify", out, q, k, v, g, beta, A_log, dt_bias, state)
 
 
@@ -173,8 +173,8 @@ def conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Te
     if out is None:
         out = torch.empty_like(x)
     # Positional, as in `verify`: a strided `out=` keyword makes Dynamo graph-break.
-    _ops.conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, out,
-                     activation)
+    _ops.conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
+                     out)
     return _ops.inference_only("conv_update", out, x, conv_state, weight, bias)
 
 

@@ -78,11 +78,14 @@ def opaque_when_functionalized(op):
 def verify(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
     state: Tensor, correction: Tensor, key_gate: Tensor,
-    query_start_loc: Tensor, state_indices: Tensor, out: Tensor,
-    lower_bound: Optional[float] = None, scale: Optional[float] = None,
+    query_start_loc: Tensor, state_indices: Tensor,
+    lower_bound: Optional[float], scale: Optional[float], out: Tensor,
 ) -> None:
     # Custom ops cannot return an alias of an input, so the op writes into a
     # caller-provided `out` (required here); `kda_ops.verify` allocates it when not given.
+    # The options before it have no default either: a required argument cannot follow
+    # defaulted ones, and keeping the positions keeps compiled graphs cached by Inductor
+    # valid (its cache key does not cover op schemas).
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                         query_start_loc, state_indices, lower_bound, out)
     if value_checks.should_check(q, query_start_loc, state_indices):
@@ -142,8 +145,7 @@ def commit_plan(
 @triton_op("kda_ops::conv_update", mutates_args={"conv_state", "out"})
 def conv_update(
     x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
-    query_start_loc: Tensor, state_indices: Tensor, out: Tensor,
-    activation: Optional[str] = "silu",
+    query_start_loc: Tensor, state_indices: Tensor, activation: Optional[str], out: Tensor,
 ) -> None:
     # Writes into a caller-provided `out`, as verify does; `kda_ops.conv_update`
     # allocates it when not given.

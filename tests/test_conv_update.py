@@ -286,5 +286,5 @@ def test_conv_update_op_requires_out():
     args, conv_buffer = make_problem("cpu", seed=16)
     buffer_before = conv_buffer.clone()
     assert_out_required(torch.ops.kda_ops.conv_update, lambda: torch.ops.kda_ops.conv_update(
-        *(args[n] for n in POSITIONAL)))
+        *(args[n] for n in POSITIONAL), "silu"))
     assert torch.equal(conv_buffer, buffer_before)

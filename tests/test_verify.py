@@ -379,7 +379,7 @@ def test_verify_op_requires_out():
     a = args
     assert_out_required(torch.ops.kda_ops.verify, lambda: torch.ops.kda_ops.verify(
         a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"],
-        a["correction"], a["key_gate"], a["query_start_loc"], a["state_indices"]))
+        a["correction"], a["key_gate"], a["query_start_loc"], a["state_indices"], None, None))
 
 
 def test_verify_rejects_mixed_devices():
