@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from . import ops as _ops
+from . import value_checks
 from ._validation import (check_activation, check_int, check_int_or_tensor, check_lower_bound,
                           check_scale)
 
@@ -65,6 +66,9 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
     check_scale(scale)
     if out is None:
         out = torch.empty_like(v)
+    if value_checks.should_check(q, query_start_loc, state_indices):
+        value_checks.verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
+                                 query_start_loc, state_indices, lower_bound, out)
     # Positional: Dynamo graph-breaks on any op given a non-contiguous `out=`
     # keyword (its rule for out= variants), and `out` may be a strided view.
     _ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -105,6 +109,10 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
     check_lower_bound(lower_bound)
     if block_size is not None:
         check_int("block_size", block_size)
+    if value_checks.should_check(state, query_start_loc, state_indices):
+        value_checks.commit_call(num_accepted_tokens, state_indices, query_start_loc, state,
+                                 conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
+                                 request_indices, block_table, num_computed_tokens, block_size)
     _ops.commit(num_accepted_tokens, state_indices, query_start_loc, state=state,
                 conv_state=conv_state, correction=correction, key_gate=key_gate, A_log=A_log,
                 dt_bias=dt_bias, lower_bound=lower_bound, request_indices=request_indices,
@@ -136,6 +144,10 @@ def commit_plan(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_
     check_int("spec_len", spec_len)
     if block_size is not None:
         check_int("block_size", block_size)
+    if value_checks.should_check(state_indices, query_start_loc):
+        value_checks.commit_plan_call(num_accepted_tokens, state_indices, query_start_loc,
+                                      spec_len, request_indices, block_table,
+                                      num_computed_tokens, block_size)
     return CommitPlan(*_ops.commit_plan(num_accepted_tokens, state_indices, query_start_loc,
                                         spec_len, request_indices, block_table,
                                         num_computed_tokens, block_size))
@@ -172,6 +184,9 @@ def conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Te
     check_activation(activation)
     if out is None:
         out = torch.empty_like(x)
+    if value_checks.should_check(x, query_start_loc, state_indices):
+        value_checks.conv_update_call(x, conv_state, weight, bias, query_start_loc,
+                                      state_indices, activation, out)
     # Positional, as in `verify`: a strided `out=` keyword makes Dynamo graph-break.
     _ops.conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
                      out)
@@ -230,6 +245,8 @@ def stage_spec_decode_metadata(state_indices: Tensor, query_start_loc: Tensor,
     check_int_or_tensor("num_spec_decodes", num_spec_decodes)
     args = (state_indices, query_start_loc, num_accepted_tokens, staged_state_indices,
             staged_query_start_loc, staged_num_accepted_tokens, num_spec_decodes)
+    if value_checks.should_check(state_indices, query_start_loc):
+        value_checks.stage_call(*args)
     if isinstance(num_spec_decodes, Tensor):
         _ops.stage_spec_decode_metadata_tensor_count(*args)
     else:

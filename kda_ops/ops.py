@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op
 
-from . import torch_impl, value_checks
+from . import torch_impl
 from ._validation import (check_aligned_state_indices, check_commit, check_conv_update,
                           check_plan, check_stage_spec_decode_metadata, check_verify)
 
@@ -88,9 +88,6 @@ def verify(
     # valid (its cache key does not cover op schemas).
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                         query_start_loc, state_indices, lower_bound, out)
-    if value_checks.should_check(q, query_start_loc, state_indices):
-        value_checks.check_verify_values(q, state, correction, key_gate, A_log, dt_bias,
-                                         query_start_loc, state_indices, lower_bound, dims)
     scale = dims.key_dim ** -0.5 if scale is None else scale
     impl = launch_verify if use_triton(q) else torch_impl.verify
     impl(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -109,10 +106,6 @@ def commit(
     dims, plan = check_commit(num_accepted_tokens, state_indices, query_start_loc, state,
                               conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
                               request_indices, block_table, num_computed_tokens, block_size)
-    if value_checks.should_check(state, query_start_loc, state_indices):
-        value_checks.check_commit_values(num_accepted_tokens, state_indices, query_start_loc,
-                                         key_gate, A_log, dt_bias, lower_bound, request_indices,
-                                         dims)
     impl = launch_commit if use_triton(state) else torch_impl.commit
     impl(num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
          key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
@@ -128,9 +121,6 @@ def commit_plan(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len, request_indices,
                block_table, num_computed_tokens, block_size, state_indices.device)
-    if value_checks.should_check(state_indices, query_start_loc):
-        value_checks.check_plan_values(num_accepted_tokens, state_indices, query_start_loc,
-                                       spec_len, request_indices)
     if use_triton(state_indices):
         outputs = tuple(torch.empty_like(state_indices, dtype=torch.int32) for _ in range(4))
         launch_commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
@@ -151,8 +141,6 @@ def conv_update(
     # allocates it when not given.
     dims = check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
                              activation, out)
-    if value_checks.should_check(x, query_start_loc, state_indices):
-        value_checks.check_conv_update_values(query_start_loc, state_indices, dims)
     impl = launch_conv_update if use_triton(x) else torch_impl.conv_update
     impl(x, conv_state, weight, bias, query_start_loc, state_indices, activation, out, dims)
 
@@ -177,8 +165,6 @@ def _stage(state_indices, query_start_loc, num_accepted_tokens, staged_state_ind
     args = (state_indices, query_start_loc, num_accepted_tokens, staged_state_indices,
             staged_query_start_loc, staged_num_accepted_tokens, num_spec_decodes)
     count_limit = check_stage_spec_decode_metadata(*args)
-    if value_checks.should_check(state_indices, query_start_loc):
-        value_checks.check_stage_values(query_start_loc, num_spec_decodes, count_limit)
     impl = (launch_stage_spec_decode_metadata if use_triton(state_indices)
             else torch_impl.stage_spec_decode_metadata)
     impl(*args, count_limit)

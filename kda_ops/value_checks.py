@@ -4,10 +4,12 @@ Shapes, dtypes and strides are always checked (`_validation`). What only the
 values can show (windows inside the token tensors, block indices inside the
 cache and not shared, accepted counts in range, the same gate parameters in
 verify and commit) is checked here, when enabled by the environment variable
-`KDA_OPS_CHECK_VALUES=1` or inside `with kda_ops.value_checks():`. Each check
-copies small metadata tensors to the host, so it syncs the device: eager
-calls only. Traced calls (torch.compile, export) skip the checks; a call
-inside a CUDA graph capture raises, since the capture cannot read values.
+`KDA_OPS_CHECK_VALUES=1` or inside `with kda_ops.value_checks():`, by the
+public functions (`api.py`) before they call the op. Each check copies small
+metadata tensors to the host, so it syncs the device: eager calls only.
+torch.compile traces the public functions without the checks, so compiled
+graphs hold none; an eager call inside a CUDA graph capture raises, since the
+capture cannot read values.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import weakref
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from ._validation import fail
+from ._validation import (check_commit, check_conv_update, check_plan,
+                          check_stage_spec_decode_metadata, check_verify, fail)
 
 ENV_VAR = "KDA_OPS_CHECK_VALUES"
 _setting: contextvars.ContextVar = contextvars.ContextVar("kda_ops_value_checks", default=None)
@@ -44,10 +47,12 @@ def value_checks_enabled() -> bool:
 
 
 def should_check(*tensors) -> bool:
-    """Whether this call runs the value checks: enabled, and on real tensors."""
-    if not value_checks_enabled():
+    """Whether this call of a public function runs the value checks: enabled,
+    called eagerly (torch.compile traces, and so compiles, no check), on real
+    tensors."""
+    if torch.compiler.is_compiling() or not value_checks_enabled():
         return False
-    if torch.compiler.is_compiling() or any(is_fake(t) for t in tensors):
+    if any(is_fake(t) for t in tensors):
         return False
     if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("kda_ops: value checks read tensor values, which a CUDA graph "
@@ -160,38 +165,59 @@ def check_gates(key_gate, A_log, dt_bias, lower_bound, stacked):
                   f"gate parameters")
 
 
-def check_verify_values(q, state, correction, key_gate, A_log, dt_bias, query_start_loc,
-                        state_indices, lower_bound, dims):
+def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
+                query_start_loc, state_indices, lower_bound, out):
+    dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
+                        query_start_loc, state_indices, lower_bound, out)  # shapes first
     check_windows(query_start_loc, dims.spec_len, num_tokens=dims.num_tokens)
     check_blocks(state_indices, dims.num_blocks)
     record_gates(key_gate, A_log, dt_bias, lower_bound)
 
 
-def check_conv_update_values(query_start_loc, state_indices, dims):
+def conv_update_call(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
+                     out):
+    dims = check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
+                             activation, out)
     check_windows(query_start_loc, dims.spec_len, num_tokens=dims.num_tokens, tokens_name="x",
                   spec_len_from=f"from conv_state's W-1+T-1 = {dims.width - 1 + dims.spec_len - 1}"
                   f" columns for W = {dims.width}")
     check_blocks(state_indices, dims.num_blocks, cache_name="conv_state")
 
 
-def check_plan_values(num_accepted_tokens, state_indices, query_start_loc, spec_len,
-                      request_indices, num_blocks=None):
+def _check_plan_values(num_accepted_tokens, state_indices, query_start_loc, spec_len,
+                       request_indices, num_blocks=None):
     lengths = check_windows(query_start_loc, spec_len)
     indices = check_blocks(state_indices, num_blocks)
     check_accepted(num_accepted_tokens, request_indices, indices, lengths)
 
 
-def check_commit_values(num_accepted_tokens, state_indices, query_start_loc, key_gate, A_log,
-                        dt_bias, lower_bound, request_indices, dims):
-    check_plan_values(num_accepted_tokens, state_indices, query_start_loc, dims.spec_len,
-                      request_indices, dims.num_blocks)
+def commit_plan_call(num_accepted_tokens, state_indices, query_start_loc, spec_len,
+                     request_indices, block_table, num_computed_tokens, block_size):
+    check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len, request_indices,
+               block_table, num_computed_tokens, block_size, state_indices.device)
+    _check_plan_values(num_accepted_tokens, state_indices, query_start_loc, spec_len,
+                       request_indices)
+
+
+def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
+                correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
+                block_table, num_computed_tokens, block_size):
+    dims, _ = check_commit(num_accepted_tokens, state_indices, query_start_loc, state,
+                           conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
+                           request_indices, block_table, num_computed_tokens, block_size)
+    _check_plan_values(num_accepted_tokens, state_indices, query_start_loc, dims.spec_len,
+                       request_indices, dims.num_blocks)
     check_gates(key_gate, A_log, dt_bias, lower_bound, dims.stacked)
 
 
-def check_stage_values(query_start_loc, num_spec_decodes, count_limit):
+def stage_call(state_indices, query_start_loc, num_accepted_tokens, staged_state_indices,
+               staged_query_start_loc, staged_num_accepted_tokens, num_spec_decodes):
+    count_limit = check_stage_spec_decode_metadata(
+        state_indices, query_start_loc, num_accepted_tokens, staged_state_indices,
+        staged_query_start_loc, staged_num_accepted_tokens, num_spec_decodes)
     if isinstance(num_spec_decodes, torch.Tensor):
         count = _host(num_spec_decodes).item()
         if not 0 <= count <= count_limit:
             fail("num_spec_decodes", f"holds {count}, outside [0, {count_limit}] (the rows of "
-                  f"state_indices and of the staged buffers)")
+                 f"state_indices and of the staged buffers)")
     check_windows(query_start_loc, spec_len=float("inf"))

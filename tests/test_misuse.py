@@ -295,13 +295,20 @@ def test_value_checks_refuse_a_cuda_graph_capture():
             call_verify(args)
 
 
-def test_value_checks_are_skipped_in_traced_calls():
+def test_value_checks_are_eager_only():
+    """torch.compile traces the public functions without the checks, so the
+    compiled step holds none (no graph break, no host sync), while the same
+    call made eagerly is checked."""
     model = KDADecodeStep(num_layers=2)
     model.randomize_caches(3)
-    inputs = make_step_inputs(model, [2, 4, 3], seed=4)
+    hidden, qsl, indices, accepted = make_step_inputs(model, [2, 4, 3], seed=4)
+    indices[2] = indices[0]  # two live rows share a block
     compiled = torch.compile(model.decode_step, fullgraph=True)
     with kda_ops.value_checks(), torch.no_grad():
-        compiled(*inputs)  # traced with fake tensors: no value is read, no graph break
+        compiled(hidden, qsl, indices, accepted)
+        compiled(hidden, qsl, indices, accepted)  # the compiled graph runs no check either
+        with pytest.raises(ValueError, match="`state_indices` rows 0 and 2 share block"):
+            model.decode_step(hidden, qsl, indices, accepted)
 
 
 # --------------------------------------------------------------- conventions
