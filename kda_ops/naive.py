@@ -56,9 +56,12 @@ def _tokens(t):
 
 
 def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-           query_start_loc, state_indices, lower_bound=None, scale=None, out=None):
+           query_start_loc, state_indices, lower_bound=None, scale=None, out=None,
+           pending=None):
     """Returns (out, correction, key_gate) as verify must leave them. `out`, if
-    given, supplies the values of tokens outside every window."""
+    given, supplies the values of tokens outside every window. With `pending`
+    ([N] counts), each window starts from the checkpoint folded with its
+    block's first `pending` records, and records its tokens after them."""
     q, k, v, g = (_tokens(t) for t in (q, k, v, g))
     beta = beta[0] if beta.dim() == 3 else beta
     num_tokens, H, K = q.shape
@@ -77,15 +80,17 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
             result[bos + t] = 0.0
         if not _valid(block, state.shape[0]):
             continue
+        first = 0 if pending is None else min(max(int(pending[block]), 0), T)
         for h in range(H):
-            S = state[block, h].double()
-            for t in range(min(max(eos - bos, 0), T)):
+            S = fold(state[block, h].double(), correction[block, h], key_gate[block, h],
+                     A_log[h], dt_bias[h], lower_bound, first)
+            for t in range(min(max(eos - bos, 0), T - first)):
                 n = bos + t
                 S, u, o = step(S, q[n, h], k[n, h], v[n, h], g[n, h], beta[n, h],
                                A_log[h], dt_bias[h], lower_bound, scale)
                 result[n, h] = o
-                correction[block, h, t] = u
-                key_gate[block, h, t] = torch.cat([k[n, h], g[n, h]])
+                correction[block, h, first + t] = u
+                key_gate[block, h, first + t] = torch.cat([k[n, h], g[n, h]])
     return result, correction, key_gate
 
 
@@ -127,8 +132,15 @@ def commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
 
 def commit(num_accepted_tokens, state_indices, query_start_loc, *, state, conv_state,
            correction, key_gate, A_log, dt_bias, lower_bound=None, request_indices=None,
-           block_table=None, num_computed_tokens=None, block_size=None):
-    """Returns (state, conv_state) as commit must leave them (float64 state)."""
+           block_table=None, num_computed_tokens=None, block_size=None, pending=None,
+           spec_len=None):
+    """Returns (state, conv_state) as commit must leave them (float64 state);
+    with `pending`, the deferred schedule: (state, conv_state, pending)."""
+    if pending is not None:
+        return _commit_deferred(
+            num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
+            key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
+            num_computed_tokens, block_size, pending, spec_len)
     stacked = state.dim() == 5
     states = state.double().clone() if stacked else state.double().clone()[None]
     corr = correction if stacked else correction[None]
@@ -170,6 +182,109 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, *, state, conv_s
         states = states[0]
         convs = None if convs is None else convs[0]
     return states, convs
+
+
+def _deferred_plan(p, accepted, window, capacity, spec_len, src, table, computed, block_size):
+    """For one request and layer with `p` pending tokens: (total, fold_now,
+    final, boundary, recovery), recovery counted from the checkpoint."""
+    c = min(max(accepted, 0), window, capacity - p)
+    total = p + c
+    final, boundary, recovery, crosses = src, NULL_BLOCK, 0, False
+    if table is not None:
+        start = max(computed, 0) - p  # the checkpoint holds the tokens before `start`
+        width = table.shape[0]
+        final = int(table[min(max(start + total - 1, 0) // block_size, width - 1)])
+        next_boundary = (start // block_size + 1) * block_size
+        recovery = next_boundary - start
+        crosses = start + total >= next_boundary
+        if crosses:
+            boundary = int(table[min(next_boundary // block_size - 1, width - 1)])
+    fold_now = total > 0 and (total + spec_len > capacity or crosses or final != src)
+    return c, total, fold_now, final, boundary, recovery
+
+
+def _commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
+                     correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
+                     block_table, num_computed_tokens, block_size, pending, spec_len):
+    stacked = state.dim() == 5
+    lead = (lambda t: t) if stacked else (lambda t: t[None])
+    states, corr, kg = lead(state.double().clone()), lead(correction), lead(key_gate)
+    counts = lead(pending.clone())
+    convs = None if conv_state is None else lead(conv_state.clone())
+    originals, original_counts = states.clone(), counts.clone()
+    conv_originals = None if convs is None else convs.clone()
+    num_layers, N, H = states.shape[0], states.shape[1], states.shape[2]
+    K, R = states.shape[-1], corr.shape[-2]
+    A = A_log.reshape(num_layers, -1)
+    dt = dt_bias.reshape(num_layers, H, K)
+    rows = len(num_accepted_tokens) if block_table is None else min(
+        len(num_accepted_tokens), block_table.shape[0])
+    for b, src in enumerate(int(x) for x in state_indices):
+        r = b if request_indices is None else int(request_indices[b])
+        if not (_valid(src, N) and _fits_int32(src) and 0 <= r < rows):
+            continue
+        window = max(int(query_start_loc[b + 1]) - int(query_start_loc[b]), 0)
+        table = None if block_table is None else block_table[r]
+        computed = 0 if block_table is None else int(num_computed_tokens[r])
+        for layer in range(num_layers):
+            p = min(max(int(original_counts[layer, src]), 0), R)
+            c, total, fold_now, final, boundary, recovery = _deferred_plan(
+                p, int(num_accepted_tokens[r]), window, R, spec_len, src, table, computed,
+                block_size)
+            if total == 0:
+                continue
+            if not fold_now:
+                counts[layer, src] = total
+            else:
+                for h in range(H):
+                    args = (corr[layer, src, h], kg[layer, src, h], A[layer, h], dt[layer, h],
+                            lower_bound)
+                    if boundary != NULL_BLOCK and _valid(boundary, N):
+                        states[layer, boundary, h] = fold(originals[layer, src, h], *args,
+                                                          recovery)
+                    if _valid(final, N):
+                        states[layer, final, h] = fold(originals[layer, src, h], *args, total)
+                for block in (src, boundary, final):
+                    if _valid(block, N):
+                        counts[layer, block] = 0
+            if convs is not None and c > 0:
+                history = convs.shape[-1] - (spec_len - 1)
+                window_columns = conv_originals[layer, src]
+                # This window's tokens: the boundary lies `recovery - p` tokens into it.
+                if fold_now and boundary != NULL_BLOCK and _valid(boundary, N):
+                    n = recovery - p
+                    convs[layer, boundary, :, :history] = window_columns[:, n - 1:n - 1 + history]
+                destination = final if fold_now else src
+                if _valid(destination, N):
+                    convs[layer, destination, :, :history] = window_columns[:, c - 1:c - 1 + history]
+    unlead = (lambda t: t) if stacked else (lambda t: t[0])
+    return unlead(states), None if convs is None else unlead(convs), unlead(counts)
+
+
+def flush(state_indices, *, state, correction, key_gate, pending, A_log, dt_bias,
+          lower_bound=None):
+    """Folds each listed block's pending records into its checkpoint. Returns
+    (state float64, pending) as flush must leave them."""
+    stacked = state.dim() == 5
+    lead = (lambda t: t) if stacked else (lambda t: t[None])
+    states, corr, kg = lead(state.double().clone()), lead(correction), lead(key_gate)
+    counts = lead(pending.clone())
+    num_layers, N, H, K, R = (states.shape[0], states.shape[1], states.shape[2],
+                              states.shape[-1], corr.shape[-2])
+    A = A_log.reshape(num_layers, -1)
+    dt = dt_bias.reshape(num_layers, H, K)
+    for block in (int(x) for x in state_indices):
+        if not _valid(block, N):
+            continue
+        for layer in range(num_layers):
+            p = min(max(int(counts[layer, block]), 0), R)
+            for h in range(H):
+                states[layer, block, h] = fold(states[layer, block, h], corr[layer, block, h],
+                                               kg[layer, block, h], A[layer, h], dt[layer, h],
+                                               lower_bound, p)
+            counts[layer, block] = 0
+    unlead = (lambda t: t) if stacked else (lambda t: t[0])
+    return unlead(states), unlead(counts)
 
 
 def _activate(y, activation):

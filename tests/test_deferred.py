@@ -1,0 +1,141 @@
+"""The deferred schedule (records kept pending, the fold written back when
+the records run out of room or on a flush) against sequential float64
+decoding, over long runs."""
+
+import pytest
+import torch
+
+from kda_ops import naive
+
+H, K, V = 2, 8, 4
+
+
+def sequential_window(S, q, k, v, g, beta, A_log, dt_bias, lower_bound):
+    """Outputs of every window token from the states S[h] (not advanced)."""
+    outs = torch.zeros(q.shape[0], H, V, dtype=torch.float64)
+    for h in range(H):
+        state = S[h]
+        for t in range(q.shape[0]):
+            state, _, outs[t, h] = naive.step(state, q[t, h], k[t, h], v[t, h], g[t, h],
+                                              beta[t, h], A_log[h], dt_bias[h], lower_bound,
+                                              K ** -0.5)
+    return outs
+
+
+def advance(S, k, v, g, beta, A_log, dt_bias, lower_bound, count):
+    q = torch.zeros(K)
+    for h in range(H):
+        for t in range(count):
+            S[h], _, _ = naive.step(S[h], q, k[t, h], v[t, h], g[t, h], beta[t, h], A_log[h],
+                                    dt_bias[h], lower_bound, K ** -0.5)
+
+
+@pytest.mark.parametrize("T, R", [(3, 3), (3, 7), (4, 9), (2, 8)])
+def test_naive_deferred_matches_sequential_decoding(T, R):
+    gen = torch.Generator().manual_seed(T * 100 + R)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    N, B, lower_bound = 6, 3, -5.0
+    A_log, dt_bias = rand(H) * 0.5, rand(H, K)
+    state = rand(N, H, V, K)
+    truth = {block: [state[block, h].double() for h in range(H)] for block in range(1, N)}
+    correction, key_gate = rand(N, H, R, V), rand(N, H, R, 2 * K)
+    pending = torch.zeros(N, dtype=torch.int32)
+    blocks = torch.tensor([1, 2, 3], dtype=torch.int32)
+    for step in range(200):
+        lens = torch.randint(1, T + 1, (B,), generator=gen)
+        accepted = torch.stack([torch.randint(0, int(n) + 1, (), generator=gen) for n in lens])
+        qsl = torch.zeros(B + 1, dtype=torch.int32)
+        qsl[1:] = lens.cumsum(0)
+        n = int(qsl[-1])
+        q, k, g, v, beta = rand(n, H, K), rand(n, H, K), rand(n, H, K), rand(n, H, V), rand(n, H)
+        out, correction, key_gate = naive.verify(
+            q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate, qsl, blocks,
+            lower_bound=lower_bound, pending=pending)
+        for b in range(B):
+            window = slice(int(qsl[b]), int(qsl[b + 1]))
+            expected = sequential_window(truth[int(blocks[b])], q[window], k[window], v[window],
+                                         g[window], beta[window], A_log, dt_bias, lower_bound)
+            torch.testing.assert_close(out[window], expected, rtol=1e-9, atol=1e-9)
+            advance(truth[int(blocks[b])], k[window], v[window], g[window], beta[window], A_log,
+                    dt_bias, lower_bound, int(accepted[b]))
+        state, _, pending = naive.commit(
+            accepted.int(), blocks, qsl, state=state, conv_state=None, correction=correction,
+            key_gate=key_gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            pending=pending, spec_len=T)
+        assert int(pending.max()) + T <= R, "the next window would not fit"
+        if step % 37 == 5:  # a request flushed mid-run (e.g. preempted): its state is exact
+            flushed = blocks[step % B:step % B + 1]
+            state, pending = naive.flush(flushed, state=state, correction=correction,
+                                         key_gate=key_gate, pending=pending, A_log=A_log,
+                                         dt_bias=dt_bias, lower_bound=lower_bound)
+            block = int(flushed[0])
+            assert int(pending[block]) == 0
+            torch.testing.assert_close(state[block], torch.stack(truth[block]), rtol=1e-9,
+                                       atol=1e-9)
+    state, pending = naive.flush(blocks, state=state, correction=correction, key_gate=key_gate,
+                                 pending=pending, A_log=A_log, dt_bias=dt_bias,
+                                 lower_bound=lower_bound)
+    for block in blocks.tolist():
+        torch.testing.assert_close(state[block], torch.stack(truth[block]), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("T, R, block_size", [(3, 3, 4), (3, 8, 4), (2, 6, 5), (4, 9, 4)])
+def test_naive_deferred_align_mode_keeps_every_finished_block_exact(T, R, block_size):
+    """Align mode: each block a request has filled holds the exact state at its
+    end as soon as the commit that filled it returns (what prefix caching
+    reads), whatever is pending; the outputs match sequential decoding."""
+    gen = torch.Generator().manual_seed(T * 1000 + R * 10 + block_size)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    B, columns, lower_bound = 2, 150, None
+    N = 1 + B * columns
+    A_log, dt_bias = rand(H) * 0.5, rand(H, K)
+    table = (torch.arange(B * columns, dtype=torch.int32) + 1).view(B, columns)
+    state = rand(N, H, V, K)
+    correction, key_gate = rand(N, H, R, V), rand(N, H, R, 2 * K)
+    pending = torch.zeros(N, dtype=torch.int32)
+    computed = torch.tensor([1, 3], dtype=torch.int32)  # tokens in each checkpoint
+    truth = [[state[int(table[b, 0]), h].double() for h in range(H)] for b in range(B)]
+    for step in range(120):
+        lens = torch.randint(1, T + 1, (B,), generator=gen)
+        accepted = torch.stack([torch.randint(0, int(n) + 1, (), generator=gen) for n in lens])
+        qsl = torch.zeros(B + 1, dtype=torch.int32)
+        qsl[1:] = lens.cumsum(0)
+        n = int(qsl[-1])
+        q, k, g, v, beta = rand(n, H, K), rand(n, H, K), rand(n, H, K), rand(n, H, V), rand(n, H)
+        blocks = torch.stack([table[b, max((int(computed[b]) - 1) // block_size, 0)]
+                              for b in range(B)])
+        out, correction, key_gate = naive.verify(
+            q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate, qsl, blocks,
+            lower_bound=lower_bound, pending=pending)
+        for b in range(B):
+            window = slice(int(qsl[b]), int(qsl[b + 1]))
+            expected = sequential_window(truth[b], q[window], k[window], v[window], g[window],
+                                         beta[window], A_log, dt_bias, lower_bound)
+            torch.testing.assert_close(out[window], expected, rtol=1e-9, atol=1e-9)
+        state, _, pending = naive.commit(
+            accepted.int(), blocks, qsl, state=state, conv_state=None, correction=correction,
+            key_gate=key_gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            block_table=table, num_computed_tokens=computed, block_size=block_size,
+            pending=pending, spec_len=T)
+        for b in range(B):
+            window = slice(int(qsl[b]), int(qsl[b + 1]))
+            before = int(computed[b])
+            for t in range(int(accepted[b])):
+                one = slice(window.start + t, window.start + t + 1)
+                advance(truth[b], k[one], v[one], g[one], beta[one], A_log, dt_bias,
+                        lower_bound, 1)
+                position = before + t + 1
+                if position % block_size == 0:  # a block just filled: it must be exact now
+                    block = int(table[b, position // block_size - 1])
+                    torch.testing.assert_close(state[block], torch.stack(truth[b]), rtol=1e-9,
+                                               atol=1e-9, msg=f"block {block} at {position}")
+                    assert int(pending[block]) == 0
+            computed[b] += int(accepted[b])
+    blocks = torch.stack([table[b, max((int(computed[b]) - 1) // block_size, 0)]
+                          for b in range(B)])
+    state, pending = naive.flush(blocks, state=state, correction=correction, key_gate=key_gate,
+                                 pending=pending, A_log=A_log, dt_bias=dt_bias,
+                                 lower_bound=lower_bound)
+    for b in range(B):
+        torch.testing.assert_close(state[int(blocks[b])], torch.stack(truth[b]), rtol=1e-9,
+                                   atol=1e-9)
