@@ -191,6 +191,18 @@ def op_problems(device, seed=0):
                        correction=rand(L, N, H, T, V), key_gate=rand(L, N, H, T, 2 * K),
                        A_log=rand(L, H), dt_bias=rand(L, H, K), lower_bound=-5.0)
     problems["commit"] = (torch.ops.kda_ops.commit.default, commit_args)
+    # The deferred schedule: records of R = 6 > T positions, counts leaving room.
+    R = 6
+    deferred = dict(commit_args, correction=rand(L, N, H, R, V), key_gate=rand(L, N, H, R, 2 * K),
+                    pending=ints([[0, 2, 1, 3, 0, 2], [1, 0, 3, 2, 2, 0]]), spec_len=T)
+    problems["commit_deferred"] = (torch.ops.kda_ops.commit.default, deferred)
+    problems["flush"] = (torch.ops.kda_ops.flush.default, dict(
+        state_indices=si, state=deferred["state"], correction=deferred["correction"],
+        key_gate=deferred["key_gate"], pending=deferred["pending"], A_log=deferred["A_log"],
+        dt_bias=deferred["dt_bias"], lower_bound=-5.0))
+    problems["verify_pending"] = (torch.ops.kda_ops.verify.default, dict(
+        verify_kwargs(H, R, lens, indices), query_start_loc=qsl, state_indices=si,
+        pending=ints([0, 2, 1, 3, 0, 2])))
     align = dict(block_table=ints([[1, 2], [3, 4], [5, 1], [2, 3]]),
                  num_computed_tokens=ints([6, 2, 7, 0]), block_size=8,
                  request_indices=ints([2, 0, 1, 3]))

@@ -153,7 +153,7 @@ class VerifyDims:
 
 
 def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                 query_start_loc, state_indices, lower_bound, out) -> VerifyDims:
+                 query_start_loc, state_indices, lower_bound, out, pending=None) -> VerifyDims:
     check_tensor("q", q, dtypes=ACTIVATION_DTYPES, inner_dims=2)
     device = q.device
     num_tokens, num_heads, key_dim = _token_view("q", q, 3)
@@ -189,6 +189,8 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     batch = _request_metadata(query_start_loc, state_indices, device)
     check_tensor("out", out, shape=_shape(v), dtypes=(v.dtype,), device=device, written=True,
                  inner_dims=2)
+    if pending is not None:
+        check_tensor("pending", pending, shape=(num_blocks,), dtypes=INDEX_DTYPES, device=device)
     check_lower_bound(lower_bound)
     return VerifyDims(num_tokens, num_heads, key_dim, value_dim, num_blocks, spec_len, batch)
 
@@ -262,7 +264,10 @@ class CommitDims:
 
 def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                  correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
-                 block_table, num_computed_tokens, block_size) -> tuple[CommitDims, PlanArgs]:
+                 block_table, num_computed_tokens, block_size, pending=None,
+                 window_len=None) -> tuple[CommitDims, PlanArgs]:
+    """With `pending`, the deferred schedule: `window_len` (T) is required and
+    the records hold `spec_len` = R >= T positions."""
     check_tensor("state", state, ndim=(4, 5), dtypes=STATE_DTYPES, written=True, inner_dims=3)
     device = state.device
     stacked = state.dim() == 5
@@ -283,15 +288,28 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
     _gate_params(A_log, dt_bias, num_heads, key_dim, device,
                  num_layers=num_layers if stacked else None)
     check_lower_bound(lower_bound)
+    if pending is not None:
+        check_tensor("pending", pending, shape=lead + (num_blocks,), dtypes=INDEX_DTYPES,
+                     device=device, written=True)
+        if window_len is None:
+            fail("spec_len", "is required with `pending` (the window capacity T; the records "
+                 "hold R >= T positions)")
+        _positive_int("spec_len", window_len)
+        if window_len > spec_len:
+            fail("spec_len", f"must be at most the records' {spec_len} positions, got "
+                 f"{window_len}")
+    elif window_len is not None:
+        fail("spec_len", "is given only with `pending` (otherwise T is the records' length)")
+    window_len = spec_len if window_len is None else window_len
     conv_dim, conv_history = 0, 0
     if conv_state is not None:
         check_tensor("conv_state", conv_state, shape=lead + (num_blocks, None, None),
                      dtypes=ACTIVATION_DTYPES, device=device, written=True, inner_dims=2)
         conv_dim = conv_state.shape[-2]
         _has_features("conv_state", conv_state, conv_dim)
-        conv_history = conv_state.shape[-1] - (spec_len - 1)
+        conv_history = conv_state.shape[-1] - (window_len - 1)
         if conv_history < 1:
-            fail("conv_state", f"must have W-1+T-1 >= T columns for T={spec_len} "
+            fail("conv_state", f"must have W-1+T-1 >= T columns for T={window_len} "
                   f"(viewed [N, D, W-1+T-1]), got shape {_shape(conv_state)}")
     plan = check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                       request_indices, block_table, num_computed_tokens, block_size, device)
@@ -346,6 +364,31 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
     check_tensor("out", out, shape=_shape(x), dtypes=ACTIVATION_DTYPES, device=device,
                  written=True, inner_dims=1)
     return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch)
+
+
+def check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,
+                lower_bound) -> CommitDims:
+    check_tensor("state", state, ndim=(4, 5), dtypes=STATE_DTYPES, written=True, inner_dims=3)
+    device = state.device
+    stacked = state.dim() == 5
+    lead = tuple(state.shape[:1]) if stacked else ()
+    num_blocks, num_heads, value_dim, key_dim = state.shape[-4:]
+    _has_features("state", state, value_dim, key_dim)
+    _has_null_block("state", state, num_blocks)
+    _correction_is_float32(correction)
+    check_tensor("correction", correction, shape=lead + (num_blocks, num_heads, None, value_dim),
+                 dtypes=(torch.float32,), device=device, inner_dims=3)
+    capacity = correction.shape[-2]
+    check_tensor("key_gate", key_gate, shape=lead + (num_blocks, num_heads, capacity, 2 * key_dim),
+                 dtypes=ACTIVATION_DTYPES, device=device, inner_dims=3)
+    check_tensor("pending", pending, shape=lead + (num_blocks,), dtypes=INDEX_DTYPES,
+                 device=device, written=True)
+    _gate_params(A_log, dt_bias, num_heads, key_dim, device,
+                 num_layers=state.shape[0] if stacked else None)
+    check_lower_bound(lower_bound)
+    check_tensor("state_indices", state_indices, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    return CommitDims(state.shape[0] if stacked else 1, stacked, num_blocks, num_heads,
+                      value_dim, key_dim, capacity, 0, 0)
 
 
 def check_aligned_state_indices(block_table, seq_lens, block_size, num_state_slots):

@@ -16,7 +16,7 @@ from . import value_checks
 from ._validation import (check_activation, check_int, check_int_or_tensor, check_lower_bound,
                           check_scale)
 
-__all__ = ["verify", "commit", "commit_plan", "CommitPlan", "conv_update",
+__all__ = ["verify", "commit", "flush", "commit_plan", "CommitPlan", "conv_update",
            "aligned_state_indices", "stage_spec_decode_metadata"]
 
 
@@ -24,7 +24,7 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
            dt_bias: Tensor, state: Tensor, correction: Tensor, key_gate: Tensor,
            query_start_loc: Tensor, state_indices: Tensor, *,
            lower_bound: Optional[float] = None, scale: Optional[float] = None,
-           out: Optional[Tensor] = None) -> Tensor:
+           out: Optional[Tensor] = None, pending: Optional[Tensor] = None) -> Tensor:
     """Runs each request's window from its checkpoint and records what `commit`
     needs to fold the accepted prefix later (docs/semantics.md#3-verify).
 
@@ -72,7 +72,7 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
     # Positional: Dynamo graph-breaks on any op given a non-contiguous `out=`
     # keyword (its rule for out= variants), and `out` may be a strided view.
     _ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                query_start_loc, state_indices, lower_bound, scale, out)
+                query_start_loc, state_indices, lower_bound, scale, out, pending)
     return _ops.inference_only("verify", out, q, k, v, g, beta, A_log, dt_bias, state)
 
 
@@ -81,7 +81,8 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
            key_gate: Tensor, A_log: Tensor, dt_bias: Tensor,
            lower_bound: Optional[float] = None, request_indices: Optional[Tensor] = None,
            block_table: Optional[Tensor] = None, num_computed_tokens: Optional[Tensor] = None,
-           block_size: Optional[int] = None) -> None:
+           block_size: Optional[int] = None, pending: Optional[Tensor] = None,
+           spec_len: Optional[int] = None) -> None:
     """Folds each request's accepted prefix into its checkpoint and compacts
     the convolution history (docs/semantics.md#5-commit), for every layer at
     once (buffers stacked `[L, N, ...]`) or for one layer (4-D buffers).
@@ -109,6 +110,8 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
     check_lower_bound(lower_bound)
     if block_size is not None:
         check_int("block_size", block_size)
+    if spec_len is not None:
+        check_int("spec_len", spec_len)
     if value_checks.should_check(state, query_start_loc, state_indices):
         value_checks.commit_call(num_accepted_tokens, state_indices, query_start_loc, state,
                                  conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
@@ -117,7 +120,26 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
                 conv_state=conv_state, correction=correction, key_gate=key_gate, A_log=A_log,
                 dt_bias=dt_bias, lower_bound=lower_bound, request_indices=request_indices,
                 block_table=block_table, num_computed_tokens=num_computed_tokens,
-                block_size=block_size)
+                block_size=block_size, pending=pending, spec_len=spec_len)
+
+
+def flush(state_indices: Tensor, *, state: Tensor, correction: Tensor, key_gate: Tensor,
+          pending: Tensor, A_log: Tensor, dt_bias: Tensor,
+          lower_bound: Optional[float] = None) -> None:
+    """The deferred schedule's write-back (docs/semantics.md#11-the-deferred-schedule):
+    folds each listed block's pending records into its checkpoint and zeroes
+    its count, so that `state[block]` holds the exact state after every
+    accepted token. For requests that finish into the prefix cache, are
+    preempted, or whose state another kernel will read.
+
+    Args:
+        state_indices: `[B]` int32/int64: blocks to flush (<= 0 or >= N: skipped).
+        state, correction, key_gate, A_log, dt_bias, lower_bound: as in `commit`
+            (stacked `[L, N, ...]` or one layer's).
+        pending: `[(L,) N]` int32/int64, written: pending records per block.
+    """
+    check_lower_bound(lower_bound)
+    _ops.flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias, lower_bound)
 
 
 class CommitPlan(NamedTuple):

@@ -191,7 +191,8 @@ def _deferred_plan(p, accepted, window, capacity, spec_len, src, table, computed
     total = p + c
     final, boundary, recovery, crosses = src, NULL_BLOCK, 0, False
     if table is not None:
-        start = max(computed, 0) - p  # the checkpoint holds the tokens before `start`
+        # The checkpoint holds the tokens before `start` (clamped like num_computed_tokens).
+        start = max(max(computed, 0) - p, 0)
         width = table.shape[0]
         final = int(table[min(max(start + total - 1, 0) // block_size, width - 1)])
         next_boundary = (start // block_size + 1) * block_size
@@ -252,7 +253,9 @@ def _commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state,
                 window_columns = conv_originals[layer, src]
                 # This window's tokens: the boundary lies `recovery - p` tokens into it.
                 if fold_now and boundary != NULL_BLOCK and _valid(boundary, N):
-                    n = recovery - p
+                    # Pending tokens lie before the boundary; clamped like the kernels
+                    # when the counts disagree with num_computed_tokens.
+                    n = min(max(recovery - p, 1), spec_len)
                     convs[layer, boundary, :, :history] = window_columns[:, n - 1:n - 1 + history]
                 destination = final if fold_now else src
                 if _valid(destination, N):

@@ -26,7 +26,8 @@ from torch.library import triton_op
 
 from . import torch_impl
 from ._validation import (check_aligned_state_indices, check_commit, check_conv_update,
-                          check_plan, check_stage_spec_decode_metadata, check_verify)
+                          check_flush, check_plan, check_stage_spec_decode_metadata,
+                          check_verify)
 
 try:  # CPU tensors need no triton; use_triton refuses the tensors that do when it is missing
     from .kernels.commit import launch_commit, launch_commit_plan
@@ -80,6 +81,7 @@ def verify(
     state: Tensor, correction: Tensor, key_gate: Tensor,
     query_start_loc: Tensor, state_indices: Tensor,
     lower_bound: Optional[float], scale: Optional[float], out: Tensor,
+    pending: Optional[Tensor] = None,
 ) -> None:
     # Custom ops cannot return an alias of an input, so the op writes into a
     # caller-provided `out` (required here); `kda_ops.verify` allocates it when not given.
@@ -87,29 +89,53 @@ def verify(
     # defaulted ones, and keeping the positions keeps compiled graphs cached by Inductor
     # valid (its cache key does not cover op schemas).
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                        query_start_loc, state_indices, lower_bound, out)
+                        query_start_loc, state_indices, lower_bound, out, pending)
     scale = dims.key_dim ** -0.5 if scale is None else scale
+    args = (q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
+            query_start_loc, state_indices, lower_bound, scale, out, dims)
+    if pending is not None:  # the deferred schedule has no fused kernel yet
+        torch_impl.verify(*args, pending=pending)
+        return
     impl = launch_verify if use_triton(q) else torch_impl.verify
-    impl(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-         query_start_loc, state_indices, lower_bound, scale, out, dims)
+    impl(*args)
 
 
 @opaque_when_functionalized
-@triton_op("kda_ops::commit", mutates_args={"state", "conv_state"})
+@triton_op("kda_ops::commit", mutates_args={"state", "conv_state", "pending"})
 def commit(
     num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: Tensor,
     state: Tensor, conv_state: Optional[Tensor], correction: Tensor, key_gate: Tensor,
     A_log: Tensor, dt_bias: Tensor, lower_bound: Optional[float] = None,
     request_indices: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
     num_computed_tokens: Optional[Tensor] = None, block_size: Optional[int] = None,
+    pending: Optional[Tensor] = None, spec_len: Optional[int] = None,
 ) -> None:
     dims, plan = check_commit(num_accepted_tokens, state_indices, query_start_loc, state,
                               conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
-                              request_indices, block_table, num_computed_tokens, block_size)
+                              request_indices, block_table, num_computed_tokens, block_size,
+                              pending, spec_len)
+    if pending is not None:  # the deferred schedule has no fused kernel yet
+        torch_impl.commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state,
+                                   conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
+                                   request_indices, block_table, num_computed_tokens, block_size,
+                                   pending, spec_len, dims)
+        return
     impl = launch_commit if use_triton(state) else torch_impl.commit
     impl(num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
          key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
          num_computed_tokens, block_size, dims, plan)
+
+
+@opaque_when_functionalized
+@triton_op("kda_ops::flush", mutates_args={"state", "pending"})
+def flush(
+    state_indices: Tensor, state: Tensor, correction: Tensor, key_gate: Tensor, pending: Tensor,
+    A_log: Tensor, dt_bias: Tensor, lower_bound: Optional[float] = None,
+) -> None:
+    dims = check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,
+                       lower_bound)
+    torch_impl.flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,
+                     lower_bound, dims)
 
 
 @triton_op("kda_ops::commit_plan", mutates_args=())

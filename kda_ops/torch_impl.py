@@ -37,9 +37,24 @@ def _pad_token(t):
     return torch.cat([t, t.new_zeros((1,) + tuple(t.shape[1:]))])
 
 
+def _fold_records(S, correction_rows, key_gate_rows, A_log, dt_bias, lower_bound, counts):
+    """S [B, H, V, K] advanced by each row's first `counts[b]` records
+    (correction_rows [B, H, R, V], key_gate_rows [B, H, R, 2K]): the commit's
+    fold, for verify's pending records."""
+    key_dim = S.shape[-1]
+    kn = l2_normalize(key_gate_rows[..., :key_dim].float())
+    decay = torch.exp(kda_gate(key_gate_rows[..., key_dim:], dt_bias[:, None],
+                               A_log[:, None, None], lower_bound))
+    for j in range(correction_rows.shape[2]):
+        step = (S * decay[:, :, j, None, :]
+                + correction_rows[:, :, j, :, None].float() * kn[:, :, j, None, :])
+        S = torch.where((j < counts).view(-1, 1, 1, 1), step, S)
+    return S
+
+
 def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-           query_start_loc, state_indices, lower_bound, scale, out, dims):
-    batch, spec_len = dims.batch, dims.spec_len
+           query_start_loc, state_indices, lower_bound, scale, out, dims, pending=None):
+    batch, capacity = dims.batch, dims.spec_len  # record positions per block
     if batch == 0:
         return
     q, k, v, g, out = (_tokens(t) for t in (q, k, v, g, out))
@@ -52,23 +67,30 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     block = state_indices.long()
     valid = _valid_block(block, dims.num_blocks)
     safe_block = torch.where(valid, block, 0)
-    positions = torch.arange(spec_len, device=q.device)
-    live = valid[:, None] & (positions[None, :] < window[:, None])            # [B, T]
+    # Records already pending in the block: the window starts after them.
+    first = (torch.zeros_like(block) if pending is None
+             else pending.long()[safe_block].clamp(0, capacity))
+    positions = torch.arange(capacity, device=q.device)
+    live = (valid[:, None] & (positions[None, :] < window[:, None])
+            & (positions[None, :] < capacity - first[:, None]))                 # [B, R]
     token = torch.where(live, starts[:, None] + positions[None, :], num_tokens)
 
     def gather(x):
-        return _pad_token(x)[token]                                           # [B, T, H, D]
+        return _pad_token(x)[token]                                           # [B, R, H, D]
 
     raw_k, raw_g = gather(k), gather(g)
     kn = l2_normalize(raw_k.float())
     qn = l2_normalize(gather(q).float(), scale)
     decay = torch.exp(kda_gate(raw_g, dt_bias, A_log[:, None], lower_bound))
     values = gather(v).float()
-    gain = torch.sigmoid(_pad_token(beta)[token].float())                     # [B, T, H]
+    gain = torch.sigmoid(_pad_token(beta)[token].float())                     # [B, R, H]
 
     S = state[safe_block].float()                                             # [B, H, V, K]
+    old_correction, old_key_gate = correction[safe_block], key_gate[safe_block]
+    if pending is not None:
+        S = _fold_records(S, old_correction, old_key_gate, A_log, dt_bias, lower_bound, first)
     corrections, outputs = [], []
-    for t in range(spec_len):
+    for t in range(capacity):
         decayed = S * decay[:, t, :, None, :]
         u = (values[:, t] - torch.einsum("bhvk,bhk->bhv", decayed, kn[:, t])) * gain[:, t, :, None]
         updated = decayed + u[..., None] * kn[:, t, :, None, :]
@@ -76,23 +98,30 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         corrections.append(u)
         outputs.append(torch.einsum("bhvk,bhk->bhv", S, qn[:, t]))
 
-    record_live = live[:, None, :, None]                                      # [B, 1, T, 1]
-    new_correction = torch.stack(corrections, dim=2)                          # [B, H, T, V]
-    correction[safe_block] = torch.where(record_live, new_correction, correction[safe_block])
-    new_key_gate = torch.cat([raw_k, raw_g], dim=-1).transpose(1, 2)          # [B, H, T, 2K]
-    key_gate[safe_block] = torch.where(record_live, new_key_gate, key_gate[safe_block])
+    # Window token t goes to record position first + t.
+    slot_token = positions[None, :] - first[:, None]                          # [B, R]
+    slot_live = (slot_token >= 0) & live.gather(1, slot_token.clamp(0, capacity - 1))
+    slot_index = slot_token.clamp(0, capacity - 1)
+    record_live = slot_live[:, None, :, None]                                 # [B, 1, R, 1]
+    new_correction = torch.stack(corrections, dim=2)                          # [B, H, R, V]
+    new_correction = new_correction.gather(
+        2, slot_index[:, None, :, None].expand_as(new_correction))
+    correction[safe_block] = torch.where(record_live, new_correction, old_correction)
+    new_key_gate = torch.cat([raw_k, raw_g], dim=-1).transpose(1, 2)          # [B, H, R, 2K]
+    new_key_gate = new_key_gate.gather(2, slot_index[:, None, :, None].expand_as(new_key_gate))
+    key_gate[safe_block] = torch.where(record_live, new_key_gate, old_key_gate)
 
     # Each packed token takes the output of its (request, position); tokens past
     # the record capacity and tokens of null rows get zeros; tokens outside every
     # window keep what `out` held.
-    result = torch.stack(outputs, dim=1)                                      # [B, T, H, V]
+    result = torch.stack(outputs, dim=1)                                      # [B, R, H, V]
     n = torch.arange(num_tokens, device=q.device)
     request = torch.searchsorted(query_start_loc[1:].long().contiguous(), n, right=True)
     in_window = (n >= query_start_loc[0].long()) & (request < batch)
     request = request.clamp(max=batch - 1)
     position = n - starts[request]
-    keep = live[request, position.clamp(min=0, max=spec_len - 1)] & (position < spec_len)
-    per_token = torch.where(keep[:, None, None], result[request, position.clamp(0, spec_len - 1)], 0.0)
+    keep = live[request, position.clamp(min=0, max=capacity - 1)] & (position < capacity)
+    per_token = torch.where(keep[:, None, None], result[request, position.clamp(0, capacity - 1)], 0.0)
     out.copy_(torch.where(in_window[:, None, None], per_token.to(out.dtype), out))
 
 
@@ -202,6 +231,133 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_stat
             boundary_history = history_after(recovery)
             _write_rows(conv[..., :dims.conv_history], boundary, boundary_ok, boundary_history)
         _write_rows(conv[..., :dims.conv_history], final, final_ok, final_history)
+
+
+def deferred_plan(num_accepted_tokens, state_indices, query_start_loc, pending_rows, capacity,
+                  spec_len, request_indices, block_table, num_computed_tokens, block_size,
+                  num_blocks):
+    """docs/semantics.md#11-the-deferred-schedule per request, for one layer's
+    pending counts `pending_rows [B]` (int64): (accepted c, total, fold_now,
+    final, boundary, recovery from the checkpoint), int64 / bool [B] each."""
+    batch = state_indices.shape[0]
+    device = state_indices.device
+    window = (query_start_loc[1:].long() - query_start_loc[:-1].long()).clamp(min=0)
+    row = (request_indices.long() if request_indices is not None
+           else torch.arange(batch, device=device))
+    num_rows = num_accepted_tokens.shape[0]
+    if block_table is not None:
+        num_rows = min(num_rows, block_table.shape[0])
+    source = state_indices.long()
+    row_ok = (row >= 0) & (row < num_rows) & _valid_block(source, num_blocks)
+    row = torch.where(row_ok, row, 0)
+    accepted = num_accepted_tokens.long()[row] if num_rows > 0 else torch.zeros_like(row)
+    first = pending_rows.clamp(0, capacity)
+    c = torch.where(row_ok, accepted.clamp(min=0).minimum(window).minimum(capacity - first), 0)
+    total = torch.where(row_ok, first + c, 0)
+    final, boundary = source, torch.zeros_like(source)
+    recovery = torch.zeros_like(source)
+    crosses = torch.zeros_like(row_ok)
+    if block_table is not None:
+        table = (block_table.long()[row] if num_rows > 0
+                 else source.new_zeros(batch, block_table.shape[1]))
+        last_col = block_table.shape[1] - 1
+        computed = (num_computed_tokens.long()[row].clamp(min=0) if num_rows > 0
+                    else torch.zeros_like(row))
+        start = (computed - first).clamp(min=0)  # the checkpoint holds the tokens before it
+        final_col = ((start + total - 1).clamp(min=0) // block_size).clamp(max=last_col)
+        final = table.gather(1, final_col[:, None])[:, 0]
+        next_boundary = (start // block_size + 1) * block_size
+        recovery = next_boundary - start
+        crosses = start + total >= next_boundary
+        boundary_col = (next_boundary // block_size - 1).clamp(max=last_col)
+        boundary = torch.where(crosses, table.gather(1, boundary_col[:, None])[:, 0], NULL_BLOCK)
+    fold_now = (total > 0) & ((total + spec_len > capacity) | crosses | (final != source))
+    return c, total, fold_now, final, boundary, recovery
+
+
+def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
+                    correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
+                    block_table, num_computed_tokens, block_size, pending, spec_len, dims):
+    """The deferred commit: per layer and request, count the accepted tokens
+    as pending, or fold every pending token into the checkpoint when the next
+    window would not fit, in align mode also when the fold crosses a block or
+    leaves the checkpoint's block (docs/semantics.md#11-the-deferred-schedule)."""
+    if state_indices.shape[0] == 0:
+        return
+    capacity = dims.spec_len
+    K = dims.key_dim
+    source = state_indices.long()
+    safe_source = torch.where(_valid_block(source, dims.num_blocks), source, 0)
+    state5, corr5, key_gate5 = (_layered(t, dims.stacked) for t in (state, correction, key_gate))
+    counts = _layered(pending, dims.stacked)
+    conv = None if conv_state is None else _layered(conv_state, dims.stacked)
+    A5 = A_log.reshape(dims.num_layers, dims.num_heads)
+    dt5 = dt_bias.reshape(dims.num_layers, dims.num_heads, K)
+    history = dims.conv_history
+    for layer in range(dims.num_layers):
+        c, total, fold_now, final, boundary, recovery = deferred_plan(
+            num_accepted_tokens, state_indices, query_start_loc, counts[layer].long()[safe_source],
+            capacity, spec_len, request_indices, block_table, num_computed_tokens, block_size,
+            dims.num_blocks)
+        first = total - c
+        S0 = state5[layer, safe_source].float()
+        rows_corr, rows_kg = corr5[layer, safe_source], key_gate5[layer, safe_source]
+        kn = l2_normalize(rows_kg[..., :K].float())
+        decay = torch.exp(kda_gate(rows_kg[..., K:], dt5[layer][:, None], A5[layer][:, None, None],
+                                   lower_bound))
+        S, at_boundary = S0, S0
+        for j in range(capacity):
+            step = S * decay[:, :, j, None, :] + rows_corr[:, :, j, :, None].float() * kn[:, :, j, None, :]
+            S = torch.where((j < total).view(-1, 1, 1, 1), step, S)
+            at_boundary = torch.where((j + 1 == recovery).view(-1, 1, 1, 1), S, at_boundary)
+        layer_state = state5[layer:layer + 1]
+        final_ok = fold_now & _valid_block(final, dims.num_blocks)
+        boundary_ok = fold_now & _valid_block(boundary, dims.num_blocks)
+        _write_rows(layer_state, boundary, boundary_ok, at_boundary[None])
+        _write_rows(layer_state, final, final_ok, S[None])
+        if conv is not None:
+            rows = conv[layer, safe_source]                                    # [B, D, cols]
+            columns = torch.arange(history, device=rows.device)
+
+            def history_after(n):
+                start = (n.clamp(min=1, max=spec_len) - 1)[:, None] + columns[None, :]
+                return rows.gather(2, start[:, None, :].expand(-1, dims.conv_dim, -1))
+
+            layer_conv = conv[layer:layer + 1, ..., :history]
+            destination = torch.where(fold_now, final, source)
+            moved = (c > 0) & _valid_block(destination, dims.num_blocks)
+            _write_rows(layer_conv, boundary, boundary_ok & (c > 0),
+                        history_after(recovery - first)[None])
+            _write_rows(layer_conv, destination, moved, history_after(c)[None])
+        # Pending counts last: every read of them above is done.
+        layer_counts = counts[layer:layer + 1, :, None]
+        deferred = (total > 0) & ~fold_now
+        _write_rows(layer_counts, source, deferred, total[None, :, None])
+        for block, ok in ((source, fold_now), (boundary, boundary_ok), (final, final_ok)):
+            _write_rows(layer_counts, block, ok & _valid_block(block, dims.num_blocks),
+                        torch.zeros_like(total)[None, :, None])
+
+
+def flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias, lower_bound,
+          dims):
+    """Folds each listed block's pending records into its checkpoint and
+    zeroes its count."""
+    if state_indices.shape[0] == 0:
+        return
+    source = state_indices.long()
+    ok = _valid_block(source, dims.num_blocks)
+    safe_source = torch.where(ok, source, 0)
+    state5, corr5, key_gate5 = (_layered(t, dims.stacked) for t in (state, correction, key_gate))
+    counts = _layered(pending, dims.stacked)
+    A5 = A_log.reshape(dims.num_layers, dims.num_heads)
+    dt5 = dt_bias.reshape(dims.num_layers, dims.num_heads, dims.key_dim)
+    for layer in range(dims.num_layers):
+        first = counts[layer].long()[safe_source].clamp(0, dims.spec_len)
+        S = _fold_records(state5[layer, safe_source].float(), corr5[layer, safe_source],
+                          key_gate5[layer, safe_source], A5[layer], dt5[layer], lower_bound, first)
+        _write_rows(state5[layer:layer + 1], source, ok, S[None])
+        _write_rows(counts[layer:layer + 1, :, None], source, ok,
+                    torch.zeros_like(first)[None, :, None])
 
 
 def conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation, out,

@@ -139,3 +139,81 @@ def test_naive_deferred_align_mode_keeps_every_finished_block_exact(T, R, block_
     for b in range(B):
         torch.testing.assert_close(state[int(blocks[b])], torch.stack(truth[b]), rtol=1e-9,
                                    atol=1e-9)
+
+
+def deferred_problem(seed, *, stacked, align, T=3, R=7, N=24, L=2, D=12, W=4, block_size=4):
+    """One step's arguments with random pending counts (each leaving room for
+    a window), ragged windows, a null row and an out-of-range index; in align
+    mode every request's table blocks are its own."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    lead = (L,) if stacked else ()
+    lens = [3, 1, 2, 0, 3, 2]
+    indices = [1, 2, 3, 0, 4, N + 6]
+    B = len(lens)
+    qsl = torch.zeros(B + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(lens).cumsum(0)
+    n = int(qsl[-1])
+    pending = torch.randint(0, R - T + 1, lead + (N,), generator=gen, dtype=torch.int32)
+    args = dict(
+        q=rand(n, H, K), k=rand(n, H, K), v=rand(n, H, V), g=rand(n, H, K), beta=rand(n, H),
+        state=rand(*lead, N, H, V, K), correction=rand(*lead, N, H, R, V),
+        key_gate=rand(*lead, N, H, R, 2 * K), conv_state=rand(*lead, N, D, W - 1 + T - 1),
+        A_log=rand(*lead, H) * 0.5, dt_bias=rand(*lead, H, K), pending=pending,
+        query_start_loc=qsl, state_indices=torch.tensor(indices, dtype=torch.int32),
+        accepted=torch.tensor([3, 1, 0, 2, 2, 1], dtype=torch.int32))
+    align_args = {}
+    if align:
+        align_args = dict(block_table=torch.arange(5, 5 + B * 3, dtype=torch.int32).view(B, 3),
+                          num_computed_tokens=torch.tensor([3, 6, 4, 0, 7, 2], dtype=torch.int32),
+                          block_size=block_size)
+    return args, align_args
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("align", [False, True])
+def test_deferred_ops_match_the_reference(stacked, align):
+    """verify with pending records and the deferred commit, through the ops,
+    against the float64 reference: outputs, records, states, conv history and
+    pending counts."""
+    import kda_ops
+    from helpers import assert_rel_close
+
+    T = 3
+    a, align_args = deferred_problem(7 + 2 * stacked + align, stacked=stacked, align=align, T=T)
+    layer = (lambda t: t[1]) if stacked else (lambda t: t)
+    verify_args = (a["q"], a["k"], a["v"], a["g"], a["beta"], layer(a["A_log"]),
+                   layer(a["dt_bias"]), layer(a["state"]), layer(a["correction"]),
+                   layer(a["key_gate"]), a["query_start_loc"], a["state_indices"])
+    expected_out, expected_corr, expected_kg = naive.verify(
+        *verify_args, lower_bound=-5.0, out=torch.zeros(a["v"].shape),
+        pending=layer(a["pending"]))
+    out = kda_ops.verify(*verify_args, lower_bound=-5.0, out=torch.zeros(a["v"].shape),
+                         pending=layer(a["pending"]))
+    assert_rel_close(out, expected_out.float(), name="out")
+    assert_rel_close(layer(a["correction"]), expected_corr.float(), name="correction")
+    assert torch.equal(layer(a["key_gate"]), expected_kg)
+
+    commit_kwargs = dict(state=a["state"], conv_state=a["conv_state"],
+                         correction=a["correction"], key_gate=a["key_gate"], A_log=a["A_log"],
+                         dt_bias=a["dt_bias"], lower_bound=-5.0, spec_len=T, **align_args)
+    expected_state, expected_conv, expected_pending = naive.commit(
+        a["accepted"], a["state_indices"], a["query_start_loc"], pending=a["pending"],
+        **commit_kwargs)
+    pending = a["pending"].clone()
+    kda_ops.commit(a["accepted"], a["state_indices"], a["query_start_loc"], pending=pending,
+                   **commit_kwargs)
+    assert torch.equal(pending, expected_pending)
+    assert torch.equal(a["conv_state"], expected_conv)
+    assert_rel_close(a["state"], expected_state.float(), name="state")
+    assert not torch.equal(pending, torch.zeros_like(pending)), "something must stay pending"
+
+    expected_state, expected_pending = naive.flush(
+        a["state_indices"], state=a["state"], correction=a["correction"],
+        key_gate=a["key_gate"], pending=pending, A_log=a["A_log"], dt_bias=a["dt_bias"],
+        lower_bound=-5.0)
+    kda_ops.flush(a["state_indices"], state=a["state"], correction=a["correction"],
+                  key_gate=a["key_gate"], pending=pending, A_log=a["A_log"],
+                  dt_bias=a["dt_bias"], lower_bound=-5.0)
+    assert torch.equal(pending, expected_pending)
+    assert_rel_close(a["state"], expected_state.float(), name="flushed state")
