@@ -51,7 +51,7 @@ def test_usage_names_the_module_to_run(module):
 
 
 @pytest.mark.parametrize("module, options", [
-    ("kda_ops", ["--device", "--steps", "--batch"]),
+    ("kda_ops", ["--device", "--steps", "--batch", "--record-len"]),
     ("kda_ops.bench", ["--ops", "--batches", "--spec-lens", "--layers", "--json", "--plot",
                        "--table"]),
 ])
@@ -70,6 +70,7 @@ def test_every_option_has_help(module, options):
     (["--steps", "0"], "--steps"),
     (["--steps", "-3"], "--steps"),
     (["--batch", "0"], "--batch"),
+    (["--record-len", "3"], "--record-len"),
     (["--device", "tpu"], "--device"),
 ])
 def test_main_job_rejects_bad_values_naming_the_option(args, option):
@@ -108,10 +109,13 @@ def test_cuda_without_triton_is_one_line(monkeypatch, run_main):
 def test_main_job_reports_each_step_on_stderr():
     result = run_module("kda_ops", "--device", "cpu", "--steps", "3", "--batch", "2")
     assert result.returncode == 0, result.stderr
-    steps = [line for line in result.stderr.splitlines() if line.startswith("step ")]
-    assert [line.split(":")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"]
-    assert all("tokens accepted per layer, max output error" in line for line in steps)
-    assert not any(line.startswith("step ") for line in result.stdout.splitlines())
+    for schedule in ("immediate", "deferred"):
+        steps = [line for line in result.stderr.splitlines()
+                 if line.startswith(f"{schedule}: step ")]
+        assert [line.split(":")[1].strip() for line in steps] == ["step 1/3", "step 2/3",
+                                                                  "step 3/3"]
+        assert all("tokens accepted per layer, max output error" in line for line in steps)
+    assert not any(": step " in line for line in result.stdout.splitlines())
     assert result.stdout.splitlines()[-1] == "  result: OK"
 
 
