@@ -61,6 +61,18 @@ class KDACaches(NamedTuple):
     key_gate: Tensor
 
 
+class DeferredKDACaches(NamedTuple):
+    """KDACaches of the deferred schedule (`record_len > spec_len`): the
+    records hold R positions, and `pending` (int32 `[(L,) N]`) counts the
+    tokens recorded but not yet folded into each block's checkpoint."""
+
+    state: Tensor
+    conv_state: Tensor
+    correction: Tensor
+    key_gate: Tensor
+    pending: Tensor
+
+
 class KDADecodeStep(nn.Module):
     """A stack of `num_layers` KDA layers running one speculative decode step.
 
@@ -84,6 +96,10 @@ class KDADecodeStep(nn.Module):
             tensor per layer (buffers `state_0`, `state_1`, ...) and commits
             layer by layer.
         lower_bound: the KDA gate's lower bound (negative float) or None.
+        record_len: R, the record positions per block (default T: every commit
+            folds). R > T runs the deferred schedule: commits count accepted
+            tokens as pending and fold them when the records run out of room;
+            `flush` writes every pending token back.
         seed: seeds the parameter initialisation (CPU generator, so the same
             parameters on every device).
         device: where parameters and caches live.
@@ -93,6 +109,9 @@ class KDADecodeStep(nn.Module):
             conv_update + verify for every layer; checkpoints are not modified.
         commit(num_accepted_tokens, state_indices, query_start_loc, caches=None)
             one kda_ops.commit for all layers.
+        flush(state_indices, caches=None)
+            under the deferred schedule, folds the listed blocks' pending
+            records into their checkpoints.
         decode_step(hidden, query_start_loc, state_indices, num_accepted_tokens, caches=None)
             forward, then the commit of `num_accepted_tokens` of those windows, in
             one call: one graph to compile or capture (the acceptance counts are
@@ -106,7 +125,8 @@ class KDADecodeStep(nn.Module):
                  hidden_size: Optional[int] = None, dtype: torch.dtype = torch.float32,
                  state_dtype: torch.dtype = torch.float32, conv_layout: str = "dim_first",
                  cache_layout: str = "stacked", lower_bound: Optional[float] = None,
-                 seed: int = 0, device: torch.device | str | None = None):
+                 record_len: Optional[int] = None, seed: int = 0,
+                 device: torch.device | str | None = None):
         super().__init__()
         if conv_layout not in ("dim_first", "token_first"):
             raise ValueError(f"conv_layout must be 'dim_first' or 'token_first', got {conv_layout!r}")
@@ -114,6 +134,12 @@ class KDADecodeStep(nn.Module):
             raise ValueError(f"cache_layout must be 'stacked' or 'per_layer', got {cache_layout!r}")
         if num_layers < 1 or spec_len < 1 or conv_width < 2 or num_blocks < 2:
             raise ValueError("need num_layers >= 1, spec_len >= 1, conv_width >= 2, num_blocks >= 2")
+        record_len = spec_len if record_len is None else record_len
+        if record_len < spec_len:
+            raise ValueError(f"record_len must be at least spec_len = {spec_len}, got {record_len}")
+        self.record_len = record_len
+        self.deferred = record_len > spec_len
+        self.caches_type = DeferredKDACaches if self.deferred else KDACaches
         L, H, K = num_layers, num_heads, head_dim
         V = K if value_dim is None else value_dim
         self.num_layers, self.num_heads, self.key_dim, self.value_dim = L, H, K, V
@@ -194,54 +220,70 @@ class KDADecodeStep(nn.Module):
 
     def cache_shapes(self) -> KDACaches:
         L, N, H, K, V = self.num_layers, self.num_blocks, self.num_heads, self.key_dim, self.value_dim
+        R = self.record_len
         conv = ((L, N, self.conv_dim, self.conv_cols) if self.conv_layout == "dim_first"
                 else (L, N, self.conv_cols, self.conv_dim))
-        return KDACaches((L, N, H, V, K), conv, (L, N, H, self.spec_len, V),
-                         (L, N, H, self.spec_len, 2 * K))
+        shapes = ((L, N, H, V, K), conv, (L, N, H, R, V), (L, N, H, R, 2 * K))
+        return self.caches_type(*shapes, *([(L, N)] if self.deferred else []))
 
     def cache_dtypes(self) -> KDACaches:
-        return KDACaches(self.state_dtype, self.dtype, torch.float32, self.dtype)
+        dtypes = (self.state_dtype, self.dtype, torch.float32, self.dtype)
+        return self.caches_type(*dtypes, *([torch.int32] if self.deferred else []))
 
     def _in_layout(self, stacked: KDACaches) -> KDACaches:
         """Stacked caches as this model keeps them (per layer: one tensor each)."""
         if self.cache_layout == "stacked":
             return stacked
-        return KDACaches(*(tuple(t[layer].clone() for layer in range(self.num_layers))
-                           for t in stacked))
+        return self.caches_type(*(tuple(t[layer].clone() for layer in range(self.num_layers))
+                                  for t in stacked))
+
+    def _new_caches(self, fill, device) -> KDACaches:
+        """Caches of this model's shapes from `fill(shape, dtype)`, in its layout."""
+        return self._in_layout(self.caches_type(*(
+            fill(shape, dtype).to(device=device, dtype=dtype)
+            for shape, dtype in zip(self.cache_shapes(), self.cache_dtypes()))))
 
     def empty_caches(self, device=None) -> KDACaches:
         """New zero caches of this model's shapes and layout (a set separate from
-        the buffers)."""
+        the buffers); no token pending."""
         device = self.A_log.device if device is None else device
-        return self._in_layout(KDACaches(*(
-            torch.zeros(shape, dtype=dtype, device=device)
-            for shape, dtype in zip(self.cache_shapes(), self.cache_dtypes()))))
+        return self._new_caches(lambda shape, dtype: torch.zeros(shape), device)
 
     def random_caches(self, seed: int = 0, device=None) -> KDACaches:
-        """New caches filled with N(0, 1) values (drawn on CPU: the same values on
-        every device and in either layout). Tests compare on such data, never on
-        zeros."""
+        """New caches filled with N(0, 1) values, and pending counts random in
+        [0, R - T] (each leaves room for a window), drawn on CPU: the same values
+        on every device and in either layout. Tests compare on such data, never
+        on zeros."""
         gen = torch.Generator().manual_seed(seed)
+        room = self.record_len - self.spec_len + 1
+
+        def fill(shape, dtype):
+            if dtype == torch.int32:
+                return torch.randint(0, room, shape, generator=gen)
+            return torch.randn(shape, generator=gen)
+
         device = self.A_log.device if device is None else device
-        return self._in_layout(KDACaches(*(
-            torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-            for shape, dtype in zip(self.cache_shapes(), self.cache_dtypes()))))
+        return self._new_caches(fill, device)
 
     @torch.no_grad()
     def randomize_caches(self, seed: int = 0, caches: Optional[KDACaches] = None) -> None:
-        """Fills the registered buffers (or `caches`) with N(0, 1) values in
-        place, drawn on the model's device (no host copy; for large caches)."""
+        """Fills the registered buffers (or `caches`) in place as `random_caches`
+        draws them, on the model's device (no host copy; for large caches)."""
         gen = torch.Generator(device=self.A_log.device).manual_seed(seed)
         for buffer in cache_tensors(caches if caches is not None else self.buffers_as_caches()):
-            buffer.normal_(generator=gen)
+            if buffer.dtype == torch.int32:
+                buffer.random_(0, self.record_len - self.spec_len + 1, generator=gen)
+            else:
+                buffer.normal_(generator=gen)
 
     def buffers_as_caches(self) -> KDACaches:
         """The registered buffers (the caches used when `caches=None`)."""
+        names = self.caches_type._fields
         if self.cache_layout == "stacked":
-            return KDACaches(self.state, self.conv_state, self.correction, self.key_gate)
-        return KDACaches(*(tuple(getattr(self, f"{name}_{layer}")
-                                 for layer in range(self.num_layers))
-                           for name in KDACaches._fields))
+            return self.caches_type(*(getattr(self, name) for name in names))
+        return self.caches_type(*(tuple(getattr(self, f"{name}_{layer}")
+                                        for layer in range(self.num_layers))
+                                  for name in names))
 
     @torch.no_grad()
     def load_caches(self, caches: KDACaches) -> None:
@@ -289,7 +331,8 @@ class KDADecodeStep(nn.Module):
                 q.view(num_tokens, H, K), k.view(num_tokens, H, K), v.view(num_tokens, H, V),
                 g, beta, self.A_log[layer], self.dt_bias[layer], c.state[layer],
                 c.correction[layer], c.key_gate[layer], query_start_loc, state_indices,
-                lower_bound=self.lower_bound).view(num_tokens, H * V)
+                lower_bound=self.lower_bound,
+                pending=c.pending[layer] if self.deferred else None).view(num_tokens, H * V)
             if self.projections:
                 hidden = hidden + out @ self.w_out[layer]
         return hidden if self.projections else out
@@ -301,17 +344,35 @@ class KDADecodeStep(nn.Module):
         op per layer with per-layer caches."""
         c = caches if caches is not None else self.buffers_as_caches()
         conv = self.conv_state_dim_first(c)
+        deferred = dict(pending=c.pending, spec_len=self.spec_len) if self.deferred else {}
         if self.cache_layout == "stacked":
             api.commit(num_accepted_tokens, state_indices, query_start_loc, state=c.state,
-                           conv_state=conv, correction=c.correction, key_gate=c.key_gate,
-                           A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound)
+                       conv_state=conv, correction=c.correction, key_gate=c.key_gate,
+                       A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+                       **deferred)
             return
         for layer in range(self.num_layers):
+            if self.deferred:
+                deferred["pending"] = c.pending[layer]
             api.commit(num_accepted_tokens, state_indices, query_start_loc,
-                           state=c.state[layer], conv_state=conv[layer],
-                           correction=c.correction[layer], key_gate=c.key_gate[layer],
-                           A_log=self.A_log[layer], dt_bias=self.dt_bias[layer],
-                           lower_bound=self.lower_bound)
+                       state=c.state[layer], conv_state=conv[layer],
+                       correction=c.correction[layer], key_gate=c.key_gate[layer],
+                       A_log=self.A_log[layer], dt_bias=self.dt_bias[layer],
+                       lower_bound=self.lower_bound, **deferred)
+
+    def flush(self, state_indices: Tensor, caches: Optional[KDACaches] = None) -> None:
+        """Under the deferred schedule, folds the pending records of the blocks
+        `state_indices` into their checkpoints (every layer), so that each holds
+        the exact state after every accepted token; a no-op otherwise."""
+        if not self.deferred:
+            return
+        c = caches if caches is not None else self.buffers_as_caches()
+        layers = [slice(None)] if self.cache_layout == "stacked" else range(self.num_layers)
+        for layer in layers:
+            api.flush(state_indices, state=c.state[layer], correction=c.correction[layer],
+                      key_gate=c.key_gate[layer], pending=c.pending[layer],
+                      A_log=self.A_log[layer], dt_bias=self.dt_bias[layer],
+                      lower_bound=self.lower_bound)
 
     def decode_step(self, hidden: Tensor, query_start_loc: Tensor, state_indices: Tensor,
                     num_accepted_tokens: Tensor, caches: Optional[KDACaches] = None) -> Tensor:
@@ -345,7 +406,7 @@ class KDADecodeStep(nn.Module):
                 f"conv_width={self.conv_width}, num_blocks={self.num_blocks}, "
                 f"projections={self.projections}, hidden={self.hidden_size}, dtype={self.dtype}, "
                 f"conv_layout={self.conv_layout}, cache_layout={self.cache_layout}, "
-                f"lower_bound={self.lower_bound}")
+                f"lower_bound={self.lower_bound}, record_len={self.record_len}")
 
 
 def cache_tensors(caches: KDACaches) -> list[Tensor]:
@@ -379,4 +440,4 @@ def make_step_inputs(model: KDADecodeStep, window_lens, *, seed: int = 0,
     return tuple(t.to(device) for t in (hidden, qsl, state_indices, accepted))
 
 
-__all__ = ["KDACaches", "KDADecodeStep", "cache_tensors", "make_step_inputs"]
+__all__ = ["KDACaches", "DeferredKDACaches", "KDADecodeStep", "cache_tensors", "make_step_inputs"]

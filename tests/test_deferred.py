@@ -217,3 +217,50 @@ def test_deferred_ops_match_the_reference(stacked, align):
                   dt_bias=a["dt_bias"], lower_bound=-5.0)
     assert torch.equal(pending, expected_pending)
     assert_rel_close(a["state"], expected_state.float(), name="flushed state")
+
+
+@pytest.mark.parametrize("cache_layout", ["stacked", "per_layer"])
+def test_model_schedules_agree_over_a_long_run(cache_layout):
+    """KDADecodeStep with record_len = R > T against the immediate schedule,
+    200 steps of ragged windows and random acceptance (0 to L) with conv
+    history and projections, requests flushed mid-run: the same outputs every
+    step, the same conv history, and the same checkpoints after each flush."""
+    from kda_ops.models import KDADecodeStep, make_step_inputs
+
+    T, R, layers = 3, 8, 2
+    kwargs = dict(num_layers=layers, num_heads=2, head_dim=8, spec_len=T, num_blocks=8,
+                  cache_layout=cache_layout, lower_bound=-5.0)
+    immediate = KDADecodeStep(**kwargs)
+    deferred = KDADecodeStep(**kwargs, record_len=R)
+    immediate.randomize_caches(9)
+    deferred.randomize_caches(9)  # random records too; nothing pending at the start
+    for name, buffer in deferred.named_buffers():
+        if name.startswith("pending"):
+            buffer.zero_()
+        elif name.startswith(("state", "conv_state")):
+            buffer.copy_(immediate.get_buffer(name))
+    gen = torch.Generator().manual_seed(10)
+    blocks = [1, 2, 3]
+    for step in range(200):
+        lens = torch.randint(1, T + 1, (len(blocks),), generator=gen).tolist()
+        hidden, qsl, indices, _ = make_step_inputs(immediate, lens, seed=step,
+                                                   state_indices=blocks)
+        accepted = torch.stack([torch.randint(0, n + 1, (), generator=gen) for n in lens]).int()
+        with torch.no_grad():
+            expected = immediate.decode_step(hidden, qsl, indices, accepted)
+            out = deferred.decode_step(hidden, qsl, indices, accepted)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        if step % 41 == 7:
+            flushed = indices[step % 3:step % 3 + 1]
+            deferred.flush(flushed)
+            block = int(flushed[0])
+            for layer in range(layers):
+                torch.testing.assert_close(deferred.buffers_as_caches().state[layer][block],
+                                           immediate.buffers_as_caches().state[layer][block],
+                                           rtol=1e-5, atol=1e-5)
+    deferred.flush(indices)
+    for field in ("state", "conv_state"):
+        for layer in range(layers):
+            torch.testing.assert_close(getattr(deferred.buffers_as_caches(), field)[layer],
+                                       getattr(immediate.buffers_as_caches(), field)[layer],
+                                       rtol=1e-5, atol=1e-5)
