@@ -57,6 +57,11 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
             dt_bias))`; None: `-A softplus(g + dt_bias)`. Give commit the same.
         scale: query scale, default `K ** -0.5`.
         out: `[num_tokens, H, V]` like v, written (allocated when None).
+        pending: `[N]` int32/int64, the deferred schedule's count of records not
+            yet folded into each block's checkpoint (then `correction` and
+            `key_gate` hold R >= T positions): each window starts from the
+            checkpoint folded with them and is recorded after them
+            (docs/semantics.md#11-the-deferred-schedule). Read only.
 
     Returns:
         `out`, `[num_tokens, H, V]` like v.
@@ -106,6 +111,10 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
         block_table, num_computed_tokens, block_size: align mode (prefix
             caching), all three or none: `[R, columns]` blocks, `[R]` tokens
             already folded, tokens per block (docs/semantics.md#4-the-commit-plan).
+        pending: `[(L,) N]` int32/int64, written: the deferred schedule's counts
+            (docs/semantics.md#11-the-deferred-schedule); the records then hold
+            R >= T positions, and `spec_len` gives T.
+        spec_len: T, the window capacity; only with `pending`.
     """
     check_lower_bound(lower_bound)
     if block_size is not None:
