@@ -324,8 +324,8 @@ class KDADecodeStep(nn.Module):
                 mixed, g, beta = hidden.split([D, H * K, H], dim=-1)
                 g = g.view(num_tokens, H, K)
             mixed = api.conv_update(mixed, conv[layer], self.conv_weight[layer],
-                                        self.conv_bias[layer], query_start_loc, state_indices,
-                                        activation="silu")
+                                    self.conv_bias[layer], query_start_loc, state_indices,
+                                    activation="silu")
             q, k, v = mixed.split([H * K, H * K, H * V], dim=-1)
             out = api.verify(
                 q.view(num_tokens, H, K), k.view(num_tokens, H, K), v.view(num_tokens, H, V),
