@@ -73,7 +73,7 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
         out = torch.empty_like(v)
     if value_checks.should_check(q, query_start_loc, state_indices):
         value_checks.verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                                 query_start_loc, state_indices, lower_bound, out)
+                                 query_start_loc, state_indices, lower_bound, out, pending)
     # Positional: Dynamo graph-breaks on any op given a non-contiguous `out=`
     # keyword (its rule for out= variants), and `out` may be a strided view.
     _ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -124,7 +124,8 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
     if value_checks.should_check(state, query_start_loc, state_indices):
         value_checks.commit_call(num_accepted_tokens, state_indices, query_start_loc, state,
                                  conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
-                                 request_indices, block_table, num_computed_tokens, block_size)
+                                 request_indices, block_table, num_computed_tokens, block_size,
+                                 pending, spec_len)
     _ops.commit(num_accepted_tokens, state_indices, query_start_loc, state=state,
                 conv_state=conv_state, correction=correction, key_gate=key_gate, A_log=A_log,
                 dt_bias=dt_bias, lower_bound=lower_bound, request_indices=request_indices,

@@ -166,11 +166,20 @@ def check_gates(key_gate, A_log, dt_bias, lower_bound, stacked):
 
 
 def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                query_start_loc, state_indices, lower_bound, out):
+                query_start_loc, state_indices, lower_bound, out, pending):
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                        query_start_loc, state_indices, lower_bound, out)  # shapes first
-    check_windows(query_start_loc, dims.spec_len, num_tokens=dims.num_tokens)
-    check_blocks(state_indices, dims.num_blocks)
+                        query_start_loc, state_indices, lower_bound, out, pending)  # shapes first
+    lengths = check_windows(query_start_loc, dims.spec_len, num_tokens=dims.num_tokens)
+    indices = check_blocks(state_indices, dims.num_blocks)
+    if pending is not None:
+        counts = _host(pending)
+        for row, block in enumerate(indices.tolist()):
+            if 0 < block < dims.num_blocks:
+                room = dims.spec_len - min(max(counts[block].item(), 0), dims.spec_len)
+                if lengths[row] > room:
+                    fail("pending", f"leaves {room} of the records' {dims.spec_len} positions "
+                         f"to row {row}'s window of {lengths[row].item()} tokens (block "
+                         f"{block} has {counts[block].item()} pending)")
     record_gates(key_gate, A_log, dt_bias, lower_bound)
 
 
@@ -201,11 +210,13 @@ def commit_plan_call(num_accepted_tokens, state_indices, query_start_loc, spec_l
 
 def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                 correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
-                block_table, num_computed_tokens, block_size):
+                block_table, num_computed_tokens, block_size, pending, spec_len):
     dims, _ = check_commit(num_accepted_tokens, state_indices, query_start_loc, state,
                            conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
-                           request_indices, block_table, num_computed_tokens, block_size)
-    _check_plan_values(num_accepted_tokens, state_indices, query_start_loc, dims.spec_len,
+                           request_indices, block_table, num_computed_tokens, block_size,
+                           pending, spec_len)
+    window_len = dims.spec_len if spec_len is None else spec_len  # T, not the records' R
+    _check_plan_values(num_accepted_tokens, state_indices, query_start_loc, window_len,
                        request_indices, dims.num_blocks)
     check_gates(key_gate, A_log, dt_bias, lower_bound, dims.stacked)
 

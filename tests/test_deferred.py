@@ -264,3 +264,22 @@ def test_model_schedules_agree_over_a_long_run(cache_layout):
             torch.testing.assert_close(getattr(deferred.buffers_as_caches(), field)[layer],
                                        getattr(immediate.buffers_as_caches(), field)[layer],
                                        rtol=1e-5, atol=1e-5)
+
+
+def test_value_checks_under_the_deferred_schedule():
+    """The value checks take T from `spec_len` (not the records' R) and check
+    that each window fits after its block's pending records."""
+    import kda_ops
+    from kda_ops.models import KDADecodeStep, make_step_inputs
+
+    model = KDADecodeStep(num_layers=2, num_heads=2, head_dim=8, spec_len=3, num_blocks=8,
+                          record_len=7, lower_bound=-5.0)
+    model.randomize_caches(4)  # pending counts in [0, R - T]
+    with kda_ops.value_checks(), torch.no_grad():
+        for step in range(5):
+            model.decode_step(*make_step_inputs(model, [3, 1, 2], seed=step))
+        model.pending[0, 1] = 6  # one position left for a window of 3
+        hidden, qsl, _, accepted = make_step_inputs(model, [3], seed=9)
+        with pytest.raises(ValueError, match="`pending` leaves 1 of the records' 7 positions "
+                                             "to row 0's window of 3 tokens"):
+            model.decode_step(hidden, qsl, torch.tensor([1], dtype=torch.int32), accepted)
