@@ -262,12 +262,10 @@ class CommitDims:
     conv_history: int
 
 
-def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
-                 correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
-                 block_table, num_computed_tokens, block_size, pending=None,
-                 window_len=None) -> tuple[CommitDims, PlanArgs]:
-    """With `pending`, the deferred schedule: `window_len` (T) is required and
-    the records hold `spec_len` = R >= T positions."""
+def _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound):
+    """The caches and gate parameters that commit and flush take, stacked
+    `[L, N, ...]` or one layer's. Returns (device, stacked, lead dims, layers,
+    blocks, heads, V, K, record positions)."""
     check_tensor("state", state, ndim=(4, 5), dtypes=STATE_DTYPES, written=True, inner_dims=3)
     device = state.device
     stacked = state.dim() == 5
@@ -279,15 +277,27 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
     _correction_is_float32(correction)
     check_tensor("correction", correction, shape=lead + (num_blocks, num_heads, None, value_dim),
                  dtypes=(torch.float32,), device=device, inner_dims=3)
-    spec_len = correction.shape[-2]
-    if spec_len < 1:
+    positions = correction.shape[-2]
+    if positions < 1:
         fail("correction", f"must hold at least one token per window, got shape "
-              f"{_shape(correction)}")
-    check_tensor("key_gate", key_gate, shape=lead + (num_blocks, num_heads, spec_len, 2 * key_dim),
+             f"{_shape(correction)}")
+    check_tensor("key_gate", key_gate, shape=lead + (num_blocks, num_heads, positions, 2 * key_dim),
                  dtypes=ACTIVATION_DTYPES, device=device, inner_dims=3)
     _gate_params(A_log, dt_bias, num_heads, key_dim, device,
                  num_layers=num_layers if stacked else None)
     check_lower_bound(lower_bound)
+    return (device, stacked, lead, num_layers, num_blocks, num_heads, value_dim, key_dim,
+            positions)
+
+
+def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
+                 correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
+                 block_table, num_computed_tokens, block_size, pending=None,
+                 window_len=None) -> tuple[CommitDims, PlanArgs]:
+    """With `pending`, the deferred schedule: `window_len` (T) is required and
+    the records hold `spec_len` = R >= T positions."""
+    (device, stacked, lead, num_layers, num_blocks, num_heads, value_dim, key_dim,
+     spec_len) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound)
     if pending is not None:
         check_tensor("pending", pending, shape=lead + (num_blocks,), dtypes=INDEX_DTYPES,
                      device=device, written=True)
@@ -368,27 +378,13 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
 
 def check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,
                 lower_bound) -> CommitDims:
-    check_tensor("state", state, ndim=(4, 5), dtypes=STATE_DTYPES, written=True, inner_dims=3)
-    device = state.device
-    stacked = state.dim() == 5
-    lead = tuple(state.shape[:1]) if stacked else ()
-    num_blocks, num_heads, value_dim, key_dim = state.shape[-4:]
-    _has_features("state", state, value_dim, key_dim)
-    _has_null_block("state", state, num_blocks)
-    _correction_is_float32(correction)
-    check_tensor("correction", correction, shape=lead + (num_blocks, num_heads, None, value_dim),
-                 dtypes=(torch.float32,), device=device, inner_dims=3)
-    capacity = correction.shape[-2]
-    check_tensor("key_gate", key_gate, shape=lead + (num_blocks, num_heads, capacity, 2 * key_dim),
-                 dtypes=ACTIVATION_DTYPES, device=device, inner_dims=3)
+    (device, stacked, lead, num_layers, num_blocks, num_heads, value_dim, key_dim,
+     positions) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound)
     check_tensor("pending", pending, shape=lead + (num_blocks,), dtypes=INDEX_DTYPES,
                  device=device, written=True)
-    _gate_params(A_log, dt_bias, num_heads, key_dim, device,
-                 num_layers=state.shape[0] if stacked else None)
-    check_lower_bound(lower_bound)
     check_tensor("state_indices", state_indices, ndim=1, dtypes=INDEX_DTYPES, device=device)
-    return CommitDims(state.shape[0] if stacked else 1, stacked, num_blocks, num_heads,
-                      value_dim, key_dim, capacity, 0, 0)
+    return CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, positions,
+                      0, 0)
 
 
 def check_aligned_state_indices(block_table, seq_lens, block_size, num_state_slots):

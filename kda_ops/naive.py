@@ -184,6 +184,14 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, *, state, conv_s
     return states, convs
 
 
+def _with_layers(t, stacked):
+    return t if stacked else t[None]
+
+
+def _without_layers(t, stacked):
+    return t if stacked else t[0]
+
+
 def _deferred_plan(p, accepted, window, capacity, spec_len, src, table, computed, block_size):
     """For one request and layer with `p` pending tokens: (total, fold_now,
     final, boundary, recovery), recovery counted from the checkpoint."""
@@ -208,10 +216,10 @@ def _commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state,
                      correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
                      block_table, num_computed_tokens, block_size, pending, spec_len):
     stacked = state.dim() == 5
-    lead = (lambda t: t) if stacked else (lambda t: t[None])
-    states, corr, kg = lead(state.double().clone()), lead(correction), lead(key_gate)
-    counts = lead(pending.clone())
-    convs = None if conv_state is None else lead(conv_state.clone())
+    states, corr, kg = (_with_layers(t, stacked)
+                        for t in (state.double().clone(), correction, key_gate))
+    counts = _with_layers(pending.clone(), stacked)
+    convs = None if conv_state is None else _with_layers(conv_state.clone(), stacked)
     originals, original_counts = states.clone(), counts.clone()
     conv_originals = None if convs is None else convs.clone()
     num_layers, N, H = states.shape[0], states.shape[1], states.shape[2]
@@ -260,8 +268,9 @@ def _commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state,
                 destination = final if fold_now else src
                 if _valid(destination, N):
                     convs[layer, destination, :, :history] = window_columns[:, c - 1:c - 1 + history]
-    unlead = (lambda t: t) if stacked else (lambda t: t[0])
-    return unlead(states), None if convs is None else unlead(convs), unlead(counts)
+    return (_without_layers(states, stacked),
+            None if convs is None else _without_layers(convs, stacked),
+            _without_layers(counts, stacked))
 
 
 def flush(state_indices, *, state, correction, key_gate, pending, A_log, dt_bias,
@@ -269,9 +278,9 @@ def flush(state_indices, *, state, correction, key_gate, pending, A_log, dt_bias
     """Folds each listed block's pending records into its checkpoint. Returns
     (state float64, pending) as flush must leave them."""
     stacked = state.dim() == 5
-    lead = (lambda t: t) if stacked else (lambda t: t[None])
-    states, corr, kg = lead(state.double().clone()), lead(correction), lead(key_gate)
-    counts = lead(pending.clone())
+    states, corr, kg = (_with_layers(t, stacked)
+                        for t in (state.double().clone(), correction, key_gate))
+    counts = _with_layers(pending.clone(), stacked)
     num_layers, N, H, K, R = (states.shape[0], states.shape[1], states.shape[2],
                               states.shape[-1], corr.shape[-2])
     A = A_log.reshape(num_layers, -1)
@@ -286,8 +295,7 @@ def flush(state_indices, *, state, correction, key_gate, pending, A_log, dt_bias
                                                kg[layer, block, h], A[layer, h], dt[layer, h],
                                                lower_bound, p)
             counts[layer, block] = 0
-    unlead = (lambda t: t) if stacked else (lambda t: t[0])
-    return unlead(states), unlead(counts)
+    return _without_layers(states, stacked), _without_layers(counts, stacked)
 
 
 def _activate(y, activation):

@@ -37,19 +37,24 @@ def _pad_token(t):
     return torch.cat([t, t.new_zeros((1,) + tuple(t.shape[1:]))])
 
 
-def _fold_records(S, correction_rows, key_gate_rows, A_log, dt_bias, lower_bound, counts):
+def _fold_records(S, correction_rows, key_gate_rows, A_log, dt_bias, lower_bound, counts,
+                  boundary_counts=None):
     """S [B, H, V, K] advanced by each row's first `counts[b]` records
-    (correction_rows [B, H, R, V], key_gate_rows [B, H, R, 2K]): the commit's
-    fold, for verify's pending records."""
+    (correction_rows [B, H, R, V], key_gate_rows [B, H, R, 2K]) of one layer,
+    and the state after `boundary_counts[b]` of them (S itself when None)."""
     key_dim = S.shape[-1]
     kn = l2_normalize(key_gate_rows[..., :key_dim].float())
     decay = torch.exp(kda_gate(key_gate_rows[..., key_dim:], dt_bias[:, None],
                                A_log[:, None, None], lower_bound))
+    at_boundary = S
     for j in range(correction_rows.shape[2]):
         step = (S * decay[:, :, j, None, :]
                 + correction_rows[:, :, j, :, None].float() * kn[:, :, j, None, :])
         S = torch.where((j < counts).view(-1, 1, 1, 1), step, S)
-    return S
+        if boundary_counts is not None:
+            at_boundary = torch.where((j + 1 == boundary_counts).view(-1, 1, 1, 1), S,
+                                      at_boundary)
+    return S, at_boundary
 
 
 def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -88,7 +93,7 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     S = state[safe_block].float()                                             # [B, H, V, K]
     old_correction, old_key_gate = correction[safe_block], key_gate[safe_block]
     if pending is not None:
-        S = _fold_records(S, old_correction, old_key_gate, A_log, dt_bias, lower_bound, first)
+        S, _ = _fold_records(S, old_correction, old_key_gate, A_log, dt_bias, lower_bound, first)
     corrections, outputs = [], []
     for t in range(capacity):
         decayed = S * decay[:, t, :, None, :]
@@ -300,16 +305,9 @@ def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, 
             capacity, spec_len, request_indices, block_table, num_computed_tokens, block_size,
             dims.num_blocks)
         first = total - c
-        S0 = state5[layer, safe_source].float()
-        rows_corr, rows_kg = corr5[layer, safe_source], key_gate5[layer, safe_source]
-        kn = l2_normalize(rows_kg[..., :K].float())
-        decay = torch.exp(kda_gate(rows_kg[..., K:], dt5[layer][:, None], A5[layer][:, None, None],
-                                   lower_bound))
-        S, at_boundary = S0, S0
-        for j in range(capacity):
-            step = S * decay[:, :, j, None, :] + rows_corr[:, :, j, :, None].float() * kn[:, :, j, None, :]
-            S = torch.where((j < total).view(-1, 1, 1, 1), step, S)
-            at_boundary = torch.where((j + 1 == recovery).view(-1, 1, 1, 1), S, at_boundary)
+        S, at_boundary = _fold_records(
+            state5[layer, safe_source].float(), corr5[layer, safe_source],
+            key_gate5[layer, safe_source], A5[layer], dt5[layer], lower_bound, total, recovery)
         layer_state = state5[layer:layer + 1]
         final_ok = fold_now & _valid_block(final, dims.num_blocks)
         boundary_ok = fold_now & _valid_block(boundary, dims.num_blocks)
@@ -353,8 +351,9 @@ def flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias, l
     dt5 = dt_bias.reshape(dims.num_layers, dims.num_heads, dims.key_dim)
     for layer in range(dims.num_layers):
         first = counts[layer].long()[safe_source].clamp(0, dims.spec_len)
-        S = _fold_records(state5[layer, safe_source].float(), corr5[layer, safe_source],
-                          key_gate5[layer, safe_source], A5[layer], dt5[layer], lower_bound, first)
+        S, _ = _fold_records(state5[layer, safe_source].float(), corr5[layer, safe_source],
+                             key_gate5[layer, safe_source], A5[layer], dt5[layer], lower_bound,
+                             first)
         _write_rows(state5[layer:layer + 1], source, ok, S[None])
         _write_rows(counts[layer:layer + 1, :, None], source, ok,
                     torch.zeros_like(first)[None, :, None])

@@ -151,11 +151,10 @@ def check_gates(key_gate, A_log, dt_bias, lower_bound, stacked):
         if seen is None or seen[0]() is not base:
             continue
         _, seen_A_log, seen_dt_bias, seen_lower_bound = seen
-        given = {"A_log": A_log[layer] if stacked else A_log,
-                 "dt_bias": (dt_bias[layer] if stacked else dt_bias).reshape(-1)}
         where = f" for layer {layer}" if stacked else ""
-        for name, value, used in (("A_log", given["A_log"], seen_A_log),
-                                  ("dt_bias", given["dt_bias"], seen_dt_bias)):
+        for name, value, used in (
+                ("A_log", A_log[layer] if stacked else A_log, seen_A_log),
+                ("dt_bias", (dt_bias[layer] if stacked else dt_bias).reshape(-1), seen_dt_bias)):
             if not torch.equal(value.detach().cpu(), used):
                 fail(name, f"differs{where} from the {name} that verify used to write these "
                       f"records: verify and commit must get the same gate parameters")

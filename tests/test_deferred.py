@@ -7,7 +7,7 @@ import torch
 
 from kda_ops import naive
 
-from helpers import INTERPRET
+from helpers import INTERPRET, query_start_loc
 
 H, K, V = 2, 8, 4
 
@@ -22,6 +22,17 @@ def sequential_window(S, q, k, v, g, beta, A_log, dt_bias, lower_bound):
                                               beta[t, h], A_log[h], dt_bias[h], lower_bound,
                                               K ** -0.5)
     return outs
+
+
+def random_step(gen, batch, spec_len):
+    """One step's random windows of 1..T tokens, accepted counts 0..L and token
+    inputs: (accepted, query_start_loc, q, k, g, v, beta)."""
+    lens = torch.randint(1, spec_len + 1, (batch,), generator=gen)
+    accepted = torch.stack([torch.randint(0, int(n) + 1, (), generator=gen) for n in lens])
+    qsl = query_start_loc(lens.tolist(), "cpu")
+    n = int(qsl[-1])
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    return accepted, qsl, rand(n, H, K), rand(n, H, K), rand(n, H, K), rand(n, H, V), rand(n, H)
 
 
 def advance(S, k, v, g, beta, A_log, dt_bias, lower_bound, count):
@@ -44,12 +55,7 @@ def test_naive_deferred_matches_sequential_decoding(T, R):
     pending = torch.zeros(N, dtype=torch.int32)
     blocks = torch.tensor([1, 2, 3], dtype=torch.int32)
     for step in range(200):
-        lens = torch.randint(1, T + 1, (B,), generator=gen)
-        accepted = torch.stack([torch.randint(0, int(n) + 1, (), generator=gen) for n in lens])
-        qsl = torch.zeros(B + 1, dtype=torch.int32)
-        qsl[1:] = lens.cumsum(0)
-        n = int(qsl[-1])
-        q, k, g, v, beta = rand(n, H, K), rand(n, H, K), rand(n, H, K), rand(n, H, V), rand(n, H)
+        accepted, qsl, q, k, g, v, beta = random_step(gen, B, T)
         out, correction, key_gate = naive.verify(
             q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate, qsl, blocks,
             lower_bound=lower_bound, pending=pending)
@@ -98,12 +104,7 @@ def test_naive_deferred_align_mode_keeps_every_finished_block_exact(T, R, block_
     computed = torch.tensor([1, 3], dtype=torch.int32)  # tokens in each checkpoint
     truth = [[state[int(table[b, 0]), h].double() for h in range(H)] for b in range(B)]
     for step in range(120):
-        lens = torch.randint(1, T + 1, (B,), generator=gen)
-        accepted = torch.stack([torch.randint(0, int(n) + 1, (), generator=gen) for n in lens])
-        qsl = torch.zeros(B + 1, dtype=torch.int32)
-        qsl[1:] = lens.cumsum(0)
-        n = int(qsl[-1])
-        q, k, g, v, beta = rand(n, H, K), rand(n, H, K), rand(n, H, K), rand(n, H, V), rand(n, H)
+        accepted, qsl, q, k, g, v, beta = random_step(gen, B, T)
         blocks = torch.stack([table[b, max((int(computed[b]) - 1) // block_size, 0)]
                               for b in range(B)])
         out, correction, key_gate = naive.verify(
@@ -153,8 +154,7 @@ def deferred_problem(seed, *, stacked, align, T=3, R=7, N=24, L=2, D=12, W=4, bl
     lens = [3, 1, 2, 0, 3, 2]
     indices = [1, 2, 3, 0, 4, N + 6]
     B = len(lens)
-    qsl = torch.zeros(B + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(lens).cumsum(0)
+    qsl = query_start_loc(lens, "cpu")
     n = int(qsl[-1])
     pending = torch.randint(0, R - T + 1, lead + (N,), generator=gen, dtype=torch.int32)
     args = dict(

@@ -11,7 +11,7 @@ from torch.library import wrap_triton
 
 from .common import (NULL_BLOCK, block_is_valid, commit_plan_row, int32_or_null, kda_gate,
                      l2_normalize, live_range, wait_for_previous_kernel)
-from .dispatch import commit_config, conv_config, dependent_launch
+from .dispatch import commit_config, conv_config, dependent_launch, launch_options
 
 
 @triton.jit
@@ -246,7 +246,6 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
     kernel, constexprs, warps = commit_state_launch(
         K, V, dims.num_heads, dims.spec_len, lower_bound is not None,
         request_indices is not None, plan.align, launch["PDL"])
-    pdl_option = {"launch_pdl": True} if launch["PDL"] else {}
     grid = (triton.cdiv(V, constexprs["BV"]), plan.batch, dims.num_layers * dims.num_heads)
     wrap_triton(kernel)[grid](
         state, correction, key_gate, A_log, dt_bias, *pointers,
@@ -254,7 +253,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         *layer_strides(state, dims.stacked), *layer_strides(correction, dims.stacked),
         *layer_strides(key_gate, dims.stacked),
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),
-        **constexprs, num_warps=warps, **pdl_option,
+        **constexprs, num_warps=warps, **launch_options(launch),
     )
     if conv_state is not None:
         BD, warps = conv_config(dims.conv_dim)

@@ -16,7 +16,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from .common import block_is_valid, live_range, wait_for_previous_kernel
-from .dispatch import conv_config, dependent_launch
+from .dispatch import conv_config, dependent_launch, launch_options
 
 
 @triton.jit
@@ -115,5 +115,5 @@ def launch_conv_update(x, conv_state, weight, bias, query_start_loc, state_indic
         *x.stride(), *conv_state.stride(), *weight.stride(),
         bias.stride(0) if bias is not None else 0,
         *out.stride(), query_start_loc.stride(0), state_indices.stride(0),
-        **constexprs, num_warps=warps, **({"launch_pdl": True} if launch["PDL"] else {}),
+        **constexprs, num_warps=warps, **launch_options(launch),
     )

@@ -99,10 +99,6 @@ def kernel_choices(**overrides):
         _choices.reset(token)
 
 
-def current_choices() -> KernelChoices:
-    return _choices.get()
-
-
 class VerifyConfig(NamedTuple):
     """The compile-time choices of one verify launch."""
 
@@ -206,3 +202,9 @@ def dependent_launch(t, batch):
                and t.is_cuda and batch < PROGRAMMATIC_LAUNCH_BELOW_BATCH
                and torch.cuda.get_device_capability(t.device)[0] >= 9)
     return dict(PDL=True, launch_pdl=True) if enabled else dict(PDL=False)
+
+
+def launch_options(launch):
+    """The launch keywords of a `dependent_launch` choice, for a kernel whose
+    PDL constexpr is already among its constexprs."""
+    return {name: value for name, value in launch.items() if name != "PDL"}

@@ -40,7 +40,7 @@ from torch.library import wrap_triton
 
 from .common import (block_is_valid, link_tokens, live_range, load_window,
                      prefetch_state_rows, wait_for_previous_kernel, window_vectors)
-from .dispatch import WINDOW_TERMS_WARPS, dependent_launch, verify_config
+from .dispatch import WINDOW_TERMS_WARPS, dependent_launch, launch_options, verify_config
 from .verify_tensor_cores import tensor_core_tile, tensor_core_verify_kernel, window_terms_kernel
 
 
@@ -379,7 +379,6 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     launch = dependent_launch(q, dims.batch)
     kernels = verify_launches(config, K, V, dims.spec_len, lower_bound is not None,
                               launch["PDL"])
-    pdl_option = {"launch_pdl": True} if launch["PDL"] else {}
     BK = triton.next_power_of_2(K)
     BT = triton.next_power_of_2(dims.spec_len)
     dt_strides = (dt_bias.stride(0), dt_bias.stride(1)) if dt_bias.dim() == 2 else (
@@ -399,14 +398,14 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
             *_token_strides(q), *_token_strides(k), *_token_strides(g), *beta.stride()[-2:],
             A_log.stride(0), *dt_strides, *key_gate.stride(),
             query_start_loc.stride(0), state_indices.stride(0),
-            **constexprs, num_warps=warps, **pdl_option,
+            **constexprs, num_warps=warps, **launch_options(launch),
         )
         kernel, constexprs, warps = kernels["verify_tensor_cores"]
         wrap_triton(kernel)[(triton.cdiv(V, config.block_v), dims.batch, num_heads)](
             v, beta, state, correction, out, terms, coupling, *index_args, dims.num_blocks,
             *_token_strides(v), *beta.stride()[-2:], *state.stride(), *correction.stride(),
             *_token_strides(out), query_start_loc.stride(0), state_indices.stride(0),
-            **constexprs, num_warps=warps, **pdl_option,
+            **constexprs, num_warps=warps, **launch_options(launch),
         )
         return
     grid = (triton.cdiv(triton.cdiv(V, config.block_v), config.v_tiles), dims.batch, num_heads)
@@ -426,7 +425,7 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         A_log.stride(0), *dt_strides,
         *state.stride(), *correction.stride(), *key_gate.stride(), *_token_strides(out),
         query_start_loc.stride(0), state_indices.stride(0),
-        **constexprs, num_warps=warps, **pdl_option,
+        **constexprs, num_warps=warps, **launch_options(launch),
     )
 
 
