@@ -189,7 +189,8 @@ def op_problems(device, seed=0):
                        state=rand(L, N, H, V, K),
                        conv_state=rand(L, N, cols, D).transpose(-1, -2),
                        correction=rand(L, N, H, T, V), key_gate=rand(L, N, H, T, 2 * K),
-                       A_log=rand(L, H), dt_bias=rand(L, H, K), lower_bound=-5.0)
+                       A_log=rand(L, H), dt_bias=rand(L, H, K), lower_bound=-5.0,
+                       spec_len=T)  # the last argument given, as kda_ops.commit gives it
     problems["commit"] = (torch.ops.kda_ops.commit.default, commit_args)
     # The deferred schedule: records of R = 6 > T positions, counts leaving room.
     R = 6
@@ -202,7 +203,7 @@ def op_problems(device, seed=0):
         dt_bias=deferred["dt_bias"], lower_bound=-5.0))
     problems["verify_pending"] = (torch.ops.kda_ops.verify.default, dict(
         verify_kwargs(H, R, lens, indices), query_start_loc=qsl, state_indices=si,
-        pending=ints([0, 2, 1, 3, 0, 2])))
+        pending=ints([0, 2, 1, 3, 0, 2]), spec_len=T))
     align = dict(block_table=ints([[1, 2], [3, 4], [5, 1], [2, 3]]),
                  num_computed_tokens=ints([6, 2, 7, 0]), block_size=8,
                  request_indices=ints([2, 0, 1, 3]))
@@ -210,7 +211,8 @@ def op_problems(device, seed=0):
         torch.ops.kda_ops.commit.default,
         dict(num_accepted_tokens=accepted, state_indices=si, query_start_loc=qsl,
              state=rand(N, H, V, K), conv_state=rand(N, D, cols), correction=rand(N, H, T, V),
-             key_gate=rand(N, H, T, 2 * K), A_log=rand(H), dt_bias=rand(H * K), **align))
+             key_gate=rand(N, H, T, 2 * K), A_log=rand(H), dt_bias=rand(H * K), spec_len=T,
+             **align))
     problems["commit_plan"] = (torch.ops.kda_ops.commit_plan.default,
                                dict(num_accepted_tokens=accepted, state_indices=si,
                                     query_start_loc=qsl, spec_len=T))

@@ -63,7 +63,8 @@ def run_demo(device, steps, batch, num_layers=2, H=4, K=32, V=32, T=4, seed=0, o
                                  beta.to(device), A_log[layer], dt_bias[layer], state[layer],
                                  correction[layer], key_gate[layer], starts.to(device), indices,
                                  lower_bound=lower_bound,
-                                 pending=None if pending is None else pending[layer]).cpu()
+                                 pending=None if pending is None else pending[layer],
+                                 spec_len=None if pending is None else T).cpu()
             for b in range(batch):
                 for t in range(int(accepted[b])):
                     tok = int(starts[b]) + t

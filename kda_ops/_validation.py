@@ -148,12 +148,31 @@ class VerifyDims:
     key_dim: int
     value_dim: int
     num_blocks: int
-    spec_len: int
+    spec_len: int  # the records' positions, R
     batch: int
+    window_len: int  # the longest window, T <= R
+
+
+def _check_window_len(window_len, pending, positions):
+    """T of the deferred schedule: required with `pending`, at most the records'
+    positions; without `pending` T is the records' length (given or not)."""
+    if pending is not None:
+        if window_len is None:
+            fail("spec_len", "is required with `pending` (the window capacity T; the records "
+                 "hold R >= T positions)")
+        _positive_int("spec_len", window_len)
+        if window_len > positions:
+            fail("spec_len", f"must be at most the records' {positions} positions, got "
+                 f"{window_len}")
+    elif window_len is not None and window_len != positions:
+        fail("spec_len", f"must be the records' length {positions} without `pending` (the "
+             f"immediate schedule's T), got {window_len}")
+    return positions if window_len is None else window_len
 
 
 def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                 query_start_loc, state_indices, lower_bound, out, pending=None) -> VerifyDims:
+                 query_start_loc, state_indices, lower_bound, out, pending=None,
+                 window_len=None) -> VerifyDims:
     check_tensor("q", q, dtypes=ACTIVATION_DTYPES, inner_dims=2)
     device = q.device
     num_tokens, num_heads, key_dim = _token_view("q", q, 3)
@@ -191,8 +210,10 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                  inner_dims=2)
     if pending is not None:
         check_tensor("pending", pending, shape=(num_blocks,), dtypes=INDEX_DTYPES, device=device)
+    window_len = _check_window_len(window_len, pending, spec_len)
     check_lower_bound(lower_bound)
-    return VerifyDims(num_tokens, num_heads, key_dim, value_dim, num_blocks, spec_len, batch)
+    return VerifyDims(num_tokens, num_heads, key_dim, value_dim, num_blocks, spec_len, batch,
+                      window_len)
 
 
 def check_lower_bound(lower_bound):
@@ -301,16 +322,7 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
     if pending is not None:
         check_tensor("pending", pending, shape=lead + (num_blocks,), dtypes=INDEX_DTYPES,
                      device=device, written=True)
-        if window_len is None:
-            fail("spec_len", "is required with `pending` (the window capacity T; the records "
-                 "hold R >= T positions)")
-        _positive_int("spec_len", window_len)
-        if window_len > spec_len:
-            fail("spec_len", f"must be at most the records' {spec_len} positions, got "
-                 f"{window_len}")
-    elif window_len is not None:
-        fail("spec_len", "is given only with `pending` (otherwise T is the records' length)")
-    window_len = spec_len if window_len is None else window_len
+    window_len = _check_window_len(window_len, pending, spec_len)
     conv_dim, conv_history = 0, 0
     if conv_state is not None:
         check_tensor("conv_state", conv_state, shape=lead + (num_blocks, None, None),

@@ -24,7 +24,8 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
            dt_bias: Tensor, state: Tensor, correction: Tensor, key_gate: Tensor,
            query_start_loc: Tensor, state_indices: Tensor, *,
            lower_bound: Optional[float] = None, scale: Optional[float] = None,
-           out: Optional[Tensor] = None, pending: Optional[Tensor] = None) -> Tensor:
+           out: Optional[Tensor] = None, pending: Optional[Tensor] = None,
+           spec_len: Optional[int] = None) -> Tensor:
     """Runs each request's window from its checkpoint and records what `commit`
     needs to fold the accepted prefix later (docs/semantics.md#3-verify).
 
@@ -62,6 +63,8 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
             `key_gate` hold R >= T positions): each window starts from the
             checkpoint folded with them and is recorded after them
             (docs/semantics.md#11-the-deferred-schedule). Read only.
+        spec_len: T, the longest window, when `pending` is given (the records
+            then hold R >= T positions); tokens past it get zero outputs.
 
     Returns:
         `out`, `[num_tokens, H, V]` like v.
@@ -69,15 +72,18 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
     # Checked here too: the dispatcher would refuse a wrong type with a RuntimeError.
     check_lower_bound(lower_bound)
     check_scale(scale)
+    if spec_len is not None:
+        check_int("spec_len", spec_len)
     if out is None:
         out = torch.empty_like(v)
     if value_checks.should_check(q, query_start_loc, state_indices):
         value_checks.verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                                 query_start_loc, state_indices, lower_bound, out, pending)
+                                 query_start_loc, state_indices, lower_bound, out, pending,
+                                 spec_len)
     # Positional: Dynamo graph-breaks on any op given a non-contiguous `out=`
     # keyword (its rule for out= variants), and `out` may be a strided view.
     _ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                query_start_loc, state_indices, lower_bound, scale, out, pending)
+                query_start_loc, state_indices, lower_bound, scale, out, pending, spec_len)
     return _ops.inference_only("verify", out, q, k, v, g, beta, A_log, dt_bias, state)
 
 
@@ -114,7 +120,8 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
         pending: `[(L,) N]` int32/int64, written: the deferred schedule's counts
             (docs/semantics.md#11-the-deferred-schedule); the records then hold
             R >= T positions, and `spec_len` gives T.
-        spec_len: T, the window capacity; only with `pending`.
+        spec_len: T, the window capacity: required with `pending`; without it
+            T is the records' length (and spec_len, if given, must equal it).
     """
     check_lower_bound(lower_bound)
     if block_size is not None:
@@ -126,6 +133,12 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
                                  conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
                                  request_indices, block_table, num_computed_tokens, block_size,
                                  pending, spec_len)
+    if spec_len is None and pending is None and isinstance(correction, Tensor) \
+            and correction.dim() >= 2:
+        # Always given: torch 2.11 drops trailing arguments left at their defaults
+        # before it bumps the versions of the written ones, and then cannot find
+        # `pending` (an IndexError outside inference mode).
+        spec_len = correction.shape[-2]
     _ops.commit(num_accepted_tokens, state_indices, query_start_loc, state=state,
                 conv_state=conv_state, correction=correction, key_gate=key_gate, A_log=A_log,
                 dt_bias=dt_bias, lower_bound=lower_bound, request_indices=request_indices,

@@ -189,15 +189,15 @@ class KDADecodeStep(nn.Module):
                       seed: int = 0) -> "KDADecodeStep":
         """A model without projections for a `kda_ops.bench.Shape` (batch,
         spec_len, layers, heads, key_dim, value_dim, conv_width, act_dtype,
-        state_dtype): engine-like token-first conv state, lower bound -5,
-        `num_blocks` state blocks (default one per request, N = batch + 1),
-        random caches."""
+        state_dtype, record_len): engine-like token-first conv state, lower
+        bound -5, `num_blocks` state blocks (default one per request, N =
+        batch + 1), random caches."""
         num_blocks = shape.batch + 1 if num_blocks is None else num_blocks
         model = cls(shape.layers, shape.heads, shape.key_dim, shape.spec_len, shape.conv_width,
                     num_blocks, value_dim=shape.value_dim, projections=False,
                     dtype=shape.act_dtype, state_dtype=shape.state_dtype,
                     conv_layout="token_first", lower_bound=-5.0,
-                    seed=seed, device=device)
+                    record_len=shape.record_len, seed=seed, device=device)
         model.randomize_caches(seed)
         return model
 
@@ -331,8 +331,7 @@ class KDADecodeStep(nn.Module):
                 q.view(num_tokens, H, K), k.view(num_tokens, H, K), v.view(num_tokens, H, V),
                 g, beta, self.A_log[layer], self.dt_bias[layer], c.state[layer],
                 c.correction[layer], c.key_gate[layer], query_start_loc, state_indices,
-                lower_bound=self.lower_bound,
-                pending=c.pending[layer] if self.deferred else None).view(num_tokens, H * V)
+                lower_bound=self.lower_bound, **self._deferred(c, layer)).view(num_tokens, H * V)
             if self.projections:
                 hidden = hidden + out @ self.w_out[layer]
         return hidden if self.projections else out
@@ -344,21 +343,25 @@ class KDADecodeStep(nn.Module):
         op per layer with per-layer caches."""
         c = caches if caches is not None else self.buffers_as_caches()
         conv = self.conv_state_dim_first(c)
-        deferred = dict(pending=c.pending, spec_len=self.spec_len) if self.deferred else {}
         if self.cache_layout == "stacked":
             api.commit(num_accepted_tokens, state_indices, query_start_loc, state=c.state,
                        conv_state=conv, correction=c.correction, key_gate=c.key_gate,
                        A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
-                       **deferred)
+                       **self._deferred(c, slice(None)))
             return
         for layer in range(self.num_layers):
-            if self.deferred:
-                deferred["pending"] = c.pending[layer]
             api.commit(num_accepted_tokens, state_indices, query_start_loc,
                        state=c.state[layer], conv_state=conv[layer],
                        correction=c.correction[layer], key_gate=c.key_gate[layer],
                        A_log=self.A_log[layer], dt_bias=self.dt_bias[layer],
-                       lower_bound=self.lower_bound, **deferred)
+                       lower_bound=self.lower_bound, **self._deferred(c, layer))
+
+    def _deferred(self, caches, layer) -> dict:
+        """The deferred schedule's arguments of verify and commit for `layer`
+        (an index or a slice); none under the immediate schedule."""
+        if not self.deferred:
+            return {}
+        return dict(pending=caches.pending[layer], spec_len=self.spec_len)
 
     def flush(self, state_indices: Tensor, caches: Optional[KDACaches] = None) -> None:
         """Under the deferred schedule, folds the pending records of the blocks

@@ -57,11 +57,12 @@ def _tokens(t):
 
 def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
            query_start_loc, state_indices, lower_bound=None, scale=None, out=None,
-           pending=None):
+           pending=None, spec_len=None):
     """Returns (out, correction, key_gate) as verify must leave them. `out`, if
     given, supplies the values of tokens outside every window. With `pending`
     ([N] counts), each window starts from the checkpoint folded with its
-    block's first `pending` records, and records its tokens after them."""
+    block's first `pending` records, and records its tokens after them; tokens
+    past `spec_len` (default: the records' length) get zero outputs."""
     q, k, v, g = (_tokens(t) for t in (q, k, v, g))
     beta = beta[0] if beta.dim() == 3 else beta
     num_tokens, H, K = q.shape
@@ -84,7 +85,8 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         for h in range(H):
             S = fold(state[block, h].double(), correction[block, h], key_gate[block, h],
                      A_log[h], dt_bias[h], lower_bound, first)
-            for t in range(min(max(eos - bos, 0), T - first)):
+            for t in range(min(max(eos - bos, 0), T - first,
+                               T if spec_len is None else spec_len)):
                 n = bos + t
                 S, u, o = step(S, q[n, h], k[n, h], v[n, h], g[n, h], beta[n, h],
                                A_log[h], dt_bias[h], lower_bound, scale)

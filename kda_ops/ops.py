@@ -30,7 +30,7 @@ from ._validation import (check_aligned_state_indices, check_commit, check_conv_
                           check_verify)
 
 try:  # CPU tensors need no triton; use_triton refuses the tensors that do when it is missing
-    from .kernels.commit import launch_commit, launch_commit_plan
+    from .kernels.commit import launch_commit, launch_commit_plan, launch_flush
     from .kernels.conv import launch_conv_update
     from .kernels.staging import launch_aligned_state_indices, launch_stage_spec_decode_metadata
     from .kernels.verify import launch_verify
@@ -81,7 +81,7 @@ def verify(
     state: Tensor, correction: Tensor, key_gate: Tensor,
     query_start_loc: Tensor, state_indices: Tensor,
     lower_bound: Optional[float], scale: Optional[float], out: Tensor,
-    pending: Optional[Tensor] = None,
+    pending: Optional[Tensor] = None, spec_len: Optional[int] = None,
 ) -> None:
     # Custom ops cannot return an alias of an input, so the op writes into a
     # caller-provided `out` (required here); `kda_ops.verify` allocates it when not given.
@@ -89,15 +89,11 @@ def verify(
     # defaulted ones, and keeping the positions keeps compiled graphs cached by Inductor
     # valid (its cache key does not cover op schemas).
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                        query_start_loc, state_indices, lower_bound, out, pending)
+                        query_start_loc, state_indices, lower_bound, out, pending, spec_len)
     scale = dims.key_dim ** -0.5 if scale is None else scale
-    args = (q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-            query_start_loc, state_indices, lower_bound, scale, out, dims)
-    if pending is not None:  # the deferred schedule has no fused kernel yet
-        torch_impl.verify(*args, pending=pending)
-        return
     impl = launch_verify if use_triton(q) else torch_impl.verify
-    impl(*args)
+    impl(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate, query_start_loc,
+         state_indices, lower_bound, scale, out, dims, pending, dims.window_len)
 
 
 @opaque_when_functionalized
@@ -114,16 +110,19 @@ def commit(
                               conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
                               request_indices, block_table, num_computed_tokens, block_size,
                               pending, spec_len)
-    if pending is not None:  # the deferred schedule has no fused kernel yet
+    if use_triton(state):
+        launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
+                      correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
+                      block_table, num_computed_tokens, block_size, dims, plan, pending, spec_len)
+    elif pending is not None:
         torch_impl.commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state,
                                    conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
                                    request_indices, block_table, num_computed_tokens, block_size,
                                    pending, spec_len, dims)
-        return
-    impl = launch_commit if use_triton(state) else torch_impl.commit
-    impl(num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
-         key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
-         num_computed_tokens, block_size, dims, plan)
+    else:
+        torch_impl.commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
+                          correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
+                          block_table, num_computed_tokens, block_size, dims, plan)
 
 
 @opaque_when_functionalized
@@ -134,8 +133,8 @@ def flush(
 ) -> None:
     dims = check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,
                        lower_bound)
-    torch_impl.flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,
-                     lower_bound, dims)
+    impl = launch_flush if use_triton(state) else torch_impl.flush
+    impl(state_indices, state, correction, key_gate, pending, A_log, dt_bias, lower_bound, dims)
 
 
 @triton_op("kda_ops::commit_plan", mutates_args=())

@@ -58,8 +58,10 @@ def _fold_records(S, correction_rows, key_gate_rows, A_log, dt_bias, lower_bound
 
 
 def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-           query_start_loc, state_indices, lower_bound, scale, out, dims, pending=None):
+           query_start_loc, state_indices, lower_bound, scale, out, dims, pending=None,
+           spec_len=None):
     batch, capacity = dims.batch, dims.spec_len  # record positions per block
+    spec_len = capacity if spec_len is None else spec_len  # the longest window
     if batch == 0:
         return
     q, k, v, g, out = (_tokens(t) for t in (q, k, v, g, out))
@@ -76,7 +78,7 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     first = (torch.zeros_like(block) if pending is None
              else pending.long()[safe_block].clamp(0, capacity))
     positions = torch.arange(capacity, device=q.device)
-    live = (valid[:, None] & (positions[None, :] < window[:, None])
+    live = (valid[:, None] & (positions[None, :] < window[:, None].clamp(max=spec_len))
             & (positions[None, :] < capacity - first[:, None]))                 # [B, R]
     token = torch.where(live, starts[:, None] + positions[None, :], num_tokens)
 

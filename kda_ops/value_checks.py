@@ -165,10 +165,12 @@ def check_gates(key_gate, A_log, dt_bias, lower_bound, stacked):
 
 
 def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                query_start_loc, state_indices, lower_bound, out, pending):
+                query_start_loc, state_indices, lower_bound, out, pending, spec_len):
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                        query_start_loc, state_indices, lower_bound, out, pending)  # shapes first
-    lengths = check_windows(query_start_loc, dims.spec_len, num_tokens=dims.num_tokens)
+                        query_start_loc, state_indices, lower_bound, out, pending,
+                        spec_len)  # shapes first
+    lengths = check_windows(query_start_loc, dims.window_len, num_tokens=dims.num_tokens,
+                            spec_len_from="spec_len" if pending is not None else "correction's T")
     indices = check_blocks(state_indices, dims.num_blocks)
     if pending is not None:
         counts = _host(pending)

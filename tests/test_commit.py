@@ -236,7 +236,9 @@ def test_commit_opcheck(device):
     args, _ = make_commit_problem(device, seed=8)
     a = dict(args)
     pos = (a.pop("num_accepted_tokens"), a.pop("state_indices"), a.pop("query_start_loc"))
-    torch.library.opcheck(torch.ops.kda_ops.commit.default, pos, dict(a, lower_bound=-5.0))
+    # The last argument given, as kda_ops.commit gives it (see there).
+    torch.library.opcheck(torch.ops.kda_ops.commit.default, pos,
+                          dict(a, lower_bound=-5.0, spec_len=a["correction"].shape[-2]))
     torch.library.opcheck(torch.ops.kda_ops.commit_plan.default, pos + (4,))
 
 

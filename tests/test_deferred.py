@@ -191,7 +191,7 @@ def test_deferred_ops_match_the_reference(stacked, align):
         *verify_args, lower_bound=-5.0, out=torch.zeros(a["v"].shape),
         pending=layer(a["pending"]))
     out = kda_ops.verify(*verify_args, lower_bound=-5.0, out=torch.zeros(a["v"].shape),
-                         pending=layer(a["pending"]))
+                         pending=layer(a["pending"]), spec_len=T)
     assert_rel_close(out, expected_out.float(), name="out")
     assert_rel_close(layer(a["correction"]), expected_corr.float(), name="correction")
     assert torch.equal(layer(a["key_gate"]), expected_kg)
@@ -288,3 +288,30 @@ def test_value_checks_under_the_deferred_schedule():
         with pytest.raises(ValueError, match="`pending` leaves 1 of the records' 7 positions "
                                              "to row 0's window of 3 tokens"):
             model.decode_step(hidden, qsl, torch.tensor([1], dtype=torch.int32), accepted)
+
+
+@pytest.mark.parametrize("op", ["verify", "commit"])
+def test_spec_len_misuse_names_the_argument(op):
+    """T must come with `pending` (kernels unroll over it), fit the records,
+    and without `pending` equal the records' length."""
+    import kda_ops
+
+    T, R = 3, 7
+    a, _ = deferred_problem(5, stacked=False, align=False, T=T, R=R)
+    if op == "verify":
+        def call(**kw):
+            kda_ops.verify(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"],
+                           a["state"], a["correction"], a["key_gate"], a["query_start_loc"],
+                           a["state_indices"], **kw)
+    else:
+        def call(**kw):
+            kda_ops.commit(a["accepted"], a["state_indices"], a["query_start_loc"],
+                           state=a["state"], correction=a["correction"], key_gate=a["key_gate"],
+                           A_log=a["A_log"], dt_bias=a["dt_bias"], **kw)
+    with pytest.raises(ValueError, match="`spec_len` is required with `pending`"):
+        call(pending=a["pending"])
+    with pytest.raises(ValueError, match="`spec_len` must be at most the records' 7 positions"):
+        call(pending=a["pending"], spec_len=R + 1)
+    with pytest.raises(ValueError, match="`spec_len` must be the records' length 7 without"):
+        call(spec_len=T)
+    call(spec_len=R)  # the immediate schedule's T, spelled out

@@ -20,12 +20,13 @@ ACT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def make_problem(device, *, dtype=torch.float32, state_dtype=torch.float32, H=2, K=16, V=8,
                  T=4, N=7, lens=(1, 3, 4, 2, 0, 6, 2, 1), indices=(1, 2, 0, 3, 4, 5, -2, 9),
                  prefix=2, suffix=3, leading_one=False, flat_dt_bias=False, decay_shift=0.0,
-                 seed=0):
+                 seed=0, records=None):
     """A verify problem. Tokens [0, prefix) and the last `suffix` lie outside every
     window; `indices` mixes valid blocks, the null block, a negative and an
     out-of-range index; `lens` covers every L in 1..T, L = 0 and L > T.
     `decay_shift` is added to A_log (large: gates far below -1, products of
-    decays that underflow fp32)."""
+    decays that underflow fp32). `records`: positions of the records (default T)."""
+    records = T if records is None else records
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     starts = query_start_loc(lens, "cpu") + prefix
@@ -37,8 +38,8 @@ def make_problem(device, *, dtype=torch.float32, state_dtype=torch.float32, H=2,
     A_log = (rand(H) * 0.5 + decay_shift).to(device)
     dt_bias = rand(H * K if flat_dt_bias else H, *(() if flat_dt_bias else (K,))).to(device)
     state, state_buf = guarded((N, H, V, K), state_dtype, device, gen)
-    correction, corr_buf = guarded((N, H, T, V), torch.float32, device, gen)
-    key_gate, kg_buf = guarded((N, H, T, 2 * K), dtype, device, gen)
+    correction, corr_buf = guarded((N, H, records, V), torch.float32, device, gen)
+    key_gate, kg_buf = guarded((N, H, records, 2 * K), dtype, device, gen)
     args = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, state=state,
                 correction=correction, key_gate=key_gate,
                 query_start_loc=starts.to(device),
@@ -229,6 +230,30 @@ def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, link_o
                                      indices=(1, 2, 0, 3, -2, 4, 6, 5),
                                      decay_shift=decay_shift, seed=51 + T)
         check_against_oracle(args, buffers, None, lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form, T, K, V, lower_bound, decay_shift", [
+    ("closed_form", 3, 16, 8, -5.0, 0.0), ("closed_form", 4, 16, 40, None, 4.0),
+    ("token_loop", 5, 16, 40, -5.0, 0.0), ("token_loop", 3, 72, 8, None, 4.0),
+    ("tensor_cores", 6, 16, 40, -5.0, 0.0), ("tensor_cores", 8, 72, 72, None, 4.0),
+    ("separate_terms", 4, 16, 40, None, 0.0), ("separate_terms", 8, 72, 72, -100.0, 4.0)])
+def test_verify_with_pending_records(device, form, T, K, V, lower_bound, decay_shift):
+    """The deferred schedule's verify in every form: each window starts from
+    its checkpoint folded with the block's pending records and is recorded
+    after them. Records of R = 2T + 3 positions (one or two record chunks);
+    counts of 0, some, R - T, R - 1 (room for one token), R (no room), a
+    negative and one past R; windows of 0 to T + 2 tokens (those past T get
+    zero outputs), the null block, a negative and an out-of-range index."""
+    R = 2 * T + 3
+    lens = (T, 1, 0, T + 2, 3, T - 1, 2, T, 2)
+    indices = (1, 2, 0, 3, -2, 4, 6, 5, 9)
+    with kernel_choices(verify_form=form):
+        args, buffers = make_problem(device, H=4, K=K, V=V, T=T, N=7, lens=lens, indices=indices,
+                                     decay_shift=decay_shift, seed=61 + T + K, records=R)
+        pending = torch.tensor([5, R - 1, 3, R - T, R, -3, R + 4], dtype=torch.int32)
+        check_against_oracle(args, buffers, None, lower_bound=lower_bound,
+                             pending=pending.to(device), spec_len=T)
 
 
 def test_verify_tensor_cores_threshold():

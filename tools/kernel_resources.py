@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the kda_ops kernels on sm_90, offline.
 
-    python tools/kernel_resources.py [--spec-lens 2,4,8] [--batch 128]
+    python tools/kernel_resources.py [--spec-lens 2,4,8] [--batch 128] [--record-len R]
         [--verify-form token_loop|closed_form|tensor_cores|separate_terms]
         [--ttgir DIR] [--sass]
 
@@ -46,7 +46,7 @@ UNIT_STRIDES = {"stride_q_dim", "stride_k_dim", "stride_v_dim", "stride_g_dim", 
 ACTIVATION_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "key_gate_ptr", "out_ptr",
                        "x_ptr", "conv_ptr", "weight_ptr", "bias_ptr"}
 INDEX_POINTERS = {"query_start_ptr", "state_indices_ptr", "accepted_ptr", "request_ptr",
-                  "block_table_ptr", "computed_ptr"}
+                  "block_table_ptr", "computed_ptr", "pending_ptr"}
 
 
 def arg_type(name):
@@ -135,6 +135,8 @@ def main(argv=None):
                         help="requests, which picks verify's form as at a launch (default 128)")
     parser.add_argument("--verify-form", default=None, choices=dispatch.VERIFY_FORMS,
                         help="verify's form instead of the policy's for --batch")
+    parser.add_argument("--record-len", type=int, default=None,
+                        help="the deferred schedule's kernels, with records of R > T positions")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
     parser.add_argument("--sass", action="store_true",
                         help="also SASS instructions per warp and loop body sizes")
@@ -146,10 +148,11 @@ def main(argv=None):
     with dispatch.kernel_choices(verify_form=args.verify_form):
         for T in (int(t) for t in args.spec_lens.split(",")):
             config = dispatch.verify_config(K, V, args.batch * H, T)
-            cases = dict(verify_kernels.verify_launches(config, K, V, T, True, pdl))
+            R, deferred = args.record_len, args.record_len is not None
+            cases = dict(verify_kernels.verify_launches(config, K, V, T, True, pdl, R, deferred))
             for name, align in (("commit_state", False), ("commit_align", True)):
                 cases[name] = commit_kernels.commit_state_launch(K, V, H, T, True, False, align,
-                                                                 pdl)
+                                                                 pdl, R, deferred)
             cases["conv_update"] = conv_kernels.conv_update_launch(H * (2 * K + V), 4, T, True,
                                                                    True, pdl)
             for name, (kernel, constexprs, warps) in cases.items():

@@ -1,16 +1,21 @@
-"""Commit: fold the accepted prefix of every layer into its checkpoint.
+"""Commit: fold the accepted prefix of every layer into its checkpoint; and
+the deferred schedule's commit and flush.
 
 Two launches cover all layers: one folds the recurrent state, one compacts the
 convolution history. Both compute the commit plan of their request inline
-(`commit_plan_row`), so no intermediate plan tensor is written or read.
+(`commit_plan_row`, `deferred_plan_row`), so no intermediate plan tensor is
+written or read. The deferred schedule adds a third launch that writes the
+pending counts, after the two that read them (programs of one layer and block
+read its count in both).
 """
 
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import (NULL_BLOCK, block_is_valid, commit_plan_row, int32_or_null, kda_gate,
-                     l2_normalize, live_range, wait_for_previous_kernel)
+from .common import (NULL_BLOCK, block_is_valid, commit_plan_row, deferred_plan_row,
+                     int32_or_null, kda_gate, l2_normalize, live_range, pending_count,
+                     wait_for_previous_kernel)
 from .dispatch import commit_config, conv_config, dependent_launch, launch_options
 
 
@@ -36,13 +41,54 @@ def _fold_records(state, start, stop, kg_row, corr_row, stride_kg_tok, stride_kg
 
 
 @triton.jit
+def _plan(b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, computed_ptr,
+          layer_pending_ptr, num_blocks, num_rows, bt_cols, block_size, stride_accepted,
+          stride_request, stride_state_indices, stride_query_start, stride_computed,
+          stride_p_blk, SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr,
+          HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr, DEFERRED: tl.constexpr,
+          FLUSH: tl.constexpr):
+    """(count, row, final column, boundary column, recovery) of request `b`:
+    the commit plan's accepted count, the deferred plan's total (the caller
+    decides whether it folds now, `folds_now`), or on a flush the pending count."""
+    if FLUSH:
+        source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+        valid = block_is_valid(source, num_blocks)
+        count = pending_count(layer_pending_ptr + tl.where(valid, source, 0) * stride_p_blk,
+                              valid, RECORDS, True)
+        zero = tl.zeros_like(source)
+        return count, zero, zero, zero - 1, zero
+    elif DEFERRED:
+        _, total, row, final_col, boundary_col, recovery, _, _ = deferred_plan_row(
+            b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
+            stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
+            stride_computed, layer_pending_ptr, stride_p_blk, num_rows, num_blocks, bt_cols,
+            block_size, RECORDS, HAS_REQUEST_INDICES, ALIGN)
+        return total, row, final_col, boundary_col, recovery
+    else:
+        return commit_plan_row(
+            b, accepted_ptr, stride_accepted, request_ptr, stride_request,
+            state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
+            computed_ptr, stride_computed, num_rows, bt_cols, block_size,
+            SPEC_LEN, HAS_REQUEST_INDICES, ALIGN)
+
+
+@triton.jit
+def folds_now(total, boundary_col, final, source, SPEC_LEN: tl.constexpr,
+              RECORDS: tl.constexpr):
+    """Whether a deferred commit writes the fold back: when the next window
+    would not fit after the pending records, and in align mode when the fold
+    crosses a block boundary or its last token leaves the checkpoint's block."""
+    return (total > 0) & ((total + SPEC_LEN > RECORDS) | (boundary_col >= 0) | (final != source))
+
+
+@triton.jit
 def _commit_state_kernel(
     state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr,
     accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
-    block_table_ptr, computed_ptr,
+    block_table_ptr, computed_ptr, pending_ptr,
     num_blocks, num_rows, bt_cols, block_size, lower_bound,
     stride_accepted, stride_request, stride_state_indices, stride_query_start,
-    stride_bt_row, stride_bt_col, stride_computed,
+    stride_bt_row, stride_bt_col, stride_computed, stride_p_layer, stride_p_blk,
     stride_s_layer, stride_s_blk, stride_s_head, stride_s_v, stride_s_k,
     stride_c_layer, stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
     stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
@@ -50,8 +96,13 @@ def _commit_state_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NUM_HEADS: tl.constexpr, SPEC_LEN: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr, RECORD_STAGES: tl.constexpr,
+    RECORDS: tl.constexpr, DEFERRED: tl.constexpr, FLUSH: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Folds `commit` records into the checkpoint (the boundary state after
+    `recovery` of them, in align mode): immediately the accepted ones; deferred
+    all pending ones where the plan folds now (SPEC_LEN is then T and RECORDS
+    R); on a flush every pending one."""
     wait_for_previous_kernel(PDL)
     lower_bound = tl.cast(lower_bound, tl.float32)  # fp64 when launched by Inductor
     pid_v = tl.program_id(0)
@@ -61,12 +112,12 @@ def _commit_state_kernel(
     layer = (tl.program_id(2) // NUM_HEADS).to(tl.int64)
     h = tl.program_id(2) % NUM_HEADS
 
-    commit, row, final_col, boundary_col, recovery = commit_plan_row(
-        b, accepted_ptr, stride_accepted, request_ptr, stride_request,
-        state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
-        computed_ptr, stride_computed, num_rows, bt_cols, block_size,
-        SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
-    )
+    commit, row, final_col, boundary_col, recovery = _plan(
+        b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, computed_ptr,
+        pending_ptr + layer * stride_p_layer, num_blocks, num_rows, bt_cols, block_size,
+        stride_accepted, stride_request, stride_state_indices, stride_query_start,
+        stride_computed, stride_p_blk, SPEC_LEN, RECORDS, HAS_REQUEST_INDICES, ALIGN, DEFERRED,
+        FLUSH)
     # Block lookups stay in the kernel body: see commit_plan_row.
     source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
     if ALIGN:
@@ -78,6 +129,9 @@ def _commit_state_kernel(
     else:
         final = source
         boundary = tl.zeros_like(source)
+    if DEFERRED:  # `commit` holds the total so far: fold it now, or leave it pending
+        commit = tl.where(folds_now(commit, boundary_col, final, source, SPEC_LEN, RECORDS),
+                          commit, 0)
     final_ok = block_is_valid(final, num_blocks)
     boundary_ok = block_is_valid(boundary, num_blocks)
     if (commit > 0) & block_is_valid(source, num_blocks) & (final_ok | boundary_ok):
@@ -121,37 +175,55 @@ def _commit_state_kernel(
 def _commit_conv_kernel(
     conv_ptr,
     accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
-    block_table_ptr, computed_ptr,
+    block_table_ptr, computed_ptr, pending_ptr,
     num_blocks, num_rows, bt_cols, block_size, conv_dim,
     stride_accepted, stride_request, stride_state_indices, stride_query_start,
-    stride_bt_row, stride_bt_col, stride_computed,
+    stride_bt_row, stride_bt_col, stride_computed, stride_p_layer, stride_p_blk,
     stride_layer, stride_blk, stride_dim, stride_col,
     HISTORY: tl.constexpr, BD: tl.constexpr,
     SPEC_LEN: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr,
+    RECORDS: tl.constexpr, DEFERRED: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Moves each request's history by its accepted tokens into the final block
+    (and the boundary block's history). Deferred, every commit moves it: into
+    the final block when the fold is written now, else within the source."""
     wait_for_previous_kernel(PDL)
     pid_d = tl.program_id(0)
     b = tl.program_id(1)
     layer = tl.program_id(2).to(tl.int64)  # as in _commit_state_kernel
 
-    commit, row, final_col, boundary_col, recovery = commit_plan_row(
-        b, accepted_ptr, stride_accepted, request_ptr, stride_request,
-        state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
-        computed_ptr, stride_computed, num_rows, bt_cols, block_size,
-        SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
-    )
+    if DEFERRED:
+        commit, total, row, final_col, boundary_col, recovery, first, _ = deferred_plan_row(
+            b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
+            stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
+            stride_computed, pending_ptr + layer * stride_p_layer, stride_p_blk, num_rows,
+            num_blocks, bt_cols, block_size, RECORDS, HAS_REQUEST_INDICES, ALIGN)
+        # A boundary's history lies `recovery - first` tokens into the window.
+        recovery = tl.minimum(tl.maximum(recovery - first, 1), SPEC_LEN)
+    else:
+        commit, row, final_col, boundary_col, recovery = commit_plan_row(
+            b, accepted_ptr, stride_accepted, request_ptr, stride_request,
+            state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
+            computed_ptr, stride_computed, num_rows, bt_cols, block_size,
+            SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
+        )
+        total = commit
     # Block lookups stay in the kernel body: see commit_plan_row.
     source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
     if ALIGN:
         table_row = block_table_ptr + row * stride_bt_row
-        final = tl.load(table_row + final_col * stride_bt_col, mask=commit > 0,
+        final = tl.load(table_row + final_col * stride_bt_col, mask=total > 0,
                         other=NULL_BLOCK).to(tl.int64)
         boundary = tl.load(table_row + boundary_col * stride_bt_col, mask=boundary_col >= 0,
                            other=NULL_BLOCK).to(tl.int64)
     else:
         final = source
         boundary = tl.zeros_like(source)
+    if DEFERRED:  # a fold left for later keeps the history in the source block
+        fold = folds_now(total, boundary_col, final, source, SPEC_LEN, RECORDS)
+        final = tl.where(fold, final, source)
+        boundary = tl.where(fold, boundary, NULL_BLOCK)
     final_ok = block_is_valid(final, num_blocks)
     boundary_ok = block_is_valid(boundary, num_blocks)
     if (commit > 0) & block_is_valid(source, num_blocks) & (final_ok | boundary_ok):
@@ -178,6 +250,55 @@ def _commit_conv_kernel(
                 tl.store(cols + boundary * stride_blk + c * stride_col, boundary_hist[c],
                          mask=boundary_mask)
             tl.store(cols + final * stride_blk + c * stride_col, final_hist[c], mask=final_mask)
+
+
+@triton.jit
+def _pending_counts_kernel(
+    pending_ptr,
+    accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
+    block_table_ptr, computed_ptr,
+    num_blocks, num_rows, bt_cols, block_size,
+    stride_accepted, stride_request, stride_state_indices, stride_query_start,
+    stride_bt_row, stride_bt_col, stride_computed, stride_p_layer, stride_p_blk,
+    SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr,
+    ALIGN: tl.constexpr, FLUSH: tl.constexpr, PDL: tl.constexpr,
+):
+    """The pending counts after a deferred commit (the total where the fold
+    waits; zero in every block a fold wrote) or after a flush (zero). Its own
+    launch, after the state and history launches have read the counts."""
+    wait_for_previous_kernel(PDL)
+    b = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    counts = pending_ptr + layer * stride_p_layer
+    if FLUSH:
+        source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+        if block_is_valid(source, num_blocks):
+            tl.store(counts + source * stride_p_blk, 0)
+    else:
+        _, total, row, final_col, boundary_col, _, _, _ = deferred_plan_row(
+            b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
+            stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
+            stride_computed, counts, stride_p_blk, num_rows, num_blocks, bt_cols, block_size,
+            RECORDS, HAS_REQUEST_INDICES, ALIGN)
+        # Block lookups stay in the kernel body: see commit_plan_row.
+        source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+        if ALIGN:
+            table_row = block_table_ptr + row * stride_bt_row
+            final = tl.load(table_row + final_col * stride_bt_col, mask=total > 0,
+                            other=NULL_BLOCK).to(tl.int64)
+            boundary = tl.load(table_row + boundary_col * stride_bt_col, mask=boundary_col >= 0,
+                               other=NULL_BLOCK).to(tl.int64)
+        else:
+            final = source
+            boundary = tl.zeros_like(source)
+        if folds_now(total, boundary_col, final, source, SPEC_LEN, RECORDS):
+            tl.store(counts + source * stride_p_blk, 0)
+            if block_is_valid(boundary, num_blocks):
+                tl.store(counts + boundary * stride_p_blk, 0)
+            if block_is_valid(final, num_blocks):
+                tl.store(counts + final * stride_p_blk, 0)
+        elif total > 0:
+            tl.store(counts + source * stride_p_blk, total.to(pending_ptr.dtype.element_ty))
 
 
 def gate_param_strides(A_log, dt_bias, stacked, key_dim):
@@ -220,36 +341,54 @@ def plan_launch_args(num_accepted_tokens, request_indices, state_indices, query_
 
 
 def commit_state_launch(key_dim, value_dim, num_heads, spec_len, use_lower_bound,
-                        has_request_indices, align, pdl):
+                        has_request_indices, align, pdl, records=None, deferred=False,
+                        flush=False):
     """The state fold's (kernel, constexprs, num_warps); tools/kernel_resources.py
-    compiles exactly this."""
+    compiles exactly this. `spec_len` is T, `records` the records' positions
+    (default T)."""
     block_v, warps, record_stages = commit_config(value_dim)
     return _commit_state_kernel, dict(
         K=key_dim, V=value_dim, BK=triton.next_power_of_2(key_dim), BV=block_v,
         NUM_HEADS=num_heads, SPEC_LEN=spec_len, USE_LOWER_BOUND=use_lower_bound,
         HAS_REQUEST_INDICES=has_request_indices, ALIGN=align, RECORD_STAGES=record_stages,
+        RECORDS=spec_len if records is None else records, DEFERRED=deferred, FLUSH=flush,
         PDL=pdl), warps
+
+
+def _pending_strides(pending, stacked):
+    """(layer, block) strides of `[(L,) N]` pending counts; (0, 0) without them."""
+    if pending is None:
+        return 0, 0
+    return (pending.stride(0), pending.stride(1)) if stacked else (0, pending.stride(0))
 
 
 def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                   correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
-                  block_table, num_computed_tokens, block_size, dims, plan):
+                  block_table, num_computed_tokens, block_size, dims, plan, pending=None,
+                  spec_len=None):
+    """With `pending`, the deferred commit for windows of up to `spec_len` = T
+    tokens (the records hold dims.spec_len = R positions)."""
     if plan.batch == 0:
         return
     pointers, scalars, strides = plan_launch_args(
         num_accepted_tokens, request_indices, state_indices, query_start_loc,
         block_table, num_computed_tokens, block_size)
-    flags = dict(SPEC_LEN=dims.spec_len, HAS_REQUEST_INDICES=request_indices is not None,
-                 ALIGN=plan.align)
+    deferred = pending is not None
+    records = dims.spec_len
+    spec_len = records if spec_len is None else spec_len
+    counts = pending if deferred else state_indices  # unread in the immediate schedule
+    pending_strides = _pending_strides(pending, dims.stacked)
+    flags = dict(SPEC_LEN=spec_len, HAS_REQUEST_INDICES=request_indices is not None,
+                 ALIGN=plan.align, RECORDS=records)
     K, V = dims.key_dim, dims.value_dim
     launch = dependent_launch(state, plan.batch)
     kernel, constexprs, warps = commit_state_launch(
-        K, V, dims.num_heads, dims.spec_len, lower_bound is not None,
-        request_indices is not None, plan.align, launch["PDL"])
+        K, V, dims.num_heads, spec_len, lower_bound is not None,
+        request_indices is not None, plan.align, launch["PDL"], records, deferred)
     grid = (triton.cdiv(V, constexprs["BV"]), plan.batch, dims.num_layers * dims.num_heads)
     wrap_triton(kernel)[grid](
-        state, correction, key_gate, A_log, dt_bias, *pointers,
-        dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides,
+        state, correction, key_gate, A_log, dt_bias, *pointers, counts,
+        dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides, *pending_strides,
         *layer_strides(state, dims.stacked), *layer_strides(correction, dims.stacked),
         *layer_strides(key_gate, dims.stacked),
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),
@@ -259,11 +398,47 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         BD, warps = conv_config(dims.conv_dim)
         grid = (triton.cdiv(dims.conv_dim, BD), plan.batch, dims.num_layers)
         wrap_triton(_commit_conv_kernel)[grid](
-            conv_state, *pointers, dims.num_blocks, *scalars, dims.conv_dim, *strides,
-            *layer_strides(conv_state, dims.stacked),
-            HISTORY=dims.conv_history, BD=BD, **flags, num_warps=warps,
+            conv_state, *pointers, counts, dims.num_blocks, *scalars, dims.conv_dim, *strides,
+            *pending_strides, *layer_strides(conv_state, dims.stacked),
+            HISTORY=dims.conv_history, BD=BD, DEFERRED=deferred, **flags, num_warps=warps,
             **launch,
         )
+    if deferred:
+        wrap_triton(_pending_counts_kernel)[(plan.batch, dims.num_layers)](
+            pending, *pointers, dims.num_blocks, *scalars, *strides, *pending_strides,
+            FLUSH=False, **flags, num_warps=1, **launch,
+        )
+
+
+def launch_flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,
+                 lower_bound, dims):
+    batch = state_indices.shape[0]
+    if batch == 0:
+        return
+    K, V = dims.key_dim, dims.value_dim
+    launch = dependent_launch(state, batch)
+    kernel, constexprs, warps = commit_state_launch(
+        K, V, dims.num_heads, dims.spec_len, lower_bound is not None, False, False,
+        launch["PDL"], deferred=False, flush=True)
+    # A flush reads only the indices of what `plan_launch_args` passes.
+    pointers = (state_indices,) * 6
+    scalars = (0, 1, 1)
+    strides = (0, 0, state_indices.stride(0), 0, 0, 0, 0)
+    pending_strides = _pending_strides(pending, dims.stacked)
+    grid = (triton.cdiv(V, constexprs["BV"]), batch, dims.num_layers * dims.num_heads)
+    wrap_triton(kernel)[grid](
+        state, correction, key_gate, A_log, dt_bias, *pointers, pending,
+        dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides, *pending_strides,
+        *layer_strides(state, dims.stacked), *layer_strides(correction, dims.stacked),
+        *layer_strides(key_gate, dims.stacked),
+        *gate_param_strides(A_log, dt_bias, dims.stacked, K),
+        **constexprs, num_warps=warps, **launch_options(launch),
+    )
+    wrap_triton(_pending_counts_kernel)[(batch, dims.num_layers)](
+        pending, *pointers, dims.num_blocks, *scalars, *strides, *pending_strides,
+        SPEC_LEN=dims.spec_len, RECORDS=dims.spec_len, HAS_REQUEST_INDICES=False, ALIGN=False,
+        FLUSH=True, num_warps=1, **launch,
+    )
 
 
 @triton.jit

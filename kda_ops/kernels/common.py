@@ -1,6 +1,6 @@
 """Device functions shared by the kernels: waiting on a programmatically
 launched predecessor, L2 prefetch, the KDA gate, the closed form's token
-linking and the commit plan. The launch policy is in dispatch.py."""
+linking, the deferred schedule's pending records, and the commit plans. The launch policy is in dispatch.py."""
 
 import triton
 import triton.language as tl
@@ -93,6 +93,70 @@ def window_vectors(raw_k, raw_g, raw_q, dt_bias, A, lower_bound, scale,
     decays = tl.exp(kda_gate(raw_g.to(tl.float32), dt_bias[None, :], A, lower_bound,
                              USE_LOWER_BOUND))
     return keys, queries, decays
+
+
+@triton.jit
+def pending_count(pending_at, valid, RECORDS: tl.constexpr, DEFERRED: tl.constexpr):
+    """The records of a block not yet folded into its checkpoint (the count at
+    `pending_at`, read where `valid`), clamped to [0, RECORDS]; 0 in the
+    immediate schedule."""
+    count = tl.zeros_like(valid).to(tl.int64)
+    if DEFERRED:
+        count = tl.load(pending_at, mask=valid, other=0).to(tl.int64)
+    return tl.minimum(tl.maximum(count, 0), RECORDS)
+
+
+@triton.jit
+def pending_records(kg_head, stride_kg_tok, stride_kg_dim, pending, dt_bias, A, lower_bound,
+                    offs_k, mask_k, K: tl.constexpr, BR: tl.constexpr,
+                    USE_LOWER_BOUND: tl.constexpr):
+    """The first `pending` records of a (block, head) as `[BR, BK]` tiles: the
+    normalised keys (zero past `pending`), the decays (one past `pending`) and
+    the decays of the next record (row j: record j + 1's, one past `pending`)."""
+    records = tl.arange(0, BR)
+    held = (records < pending)[:, None] & mask_k[None, :]
+    after = (records + 1 < pending)[:, None] & mask_k[None, :]
+    rows = kg_head + records[:, None] * stride_kg_tok + offs_k[None, :] * stride_kg_dim
+    keys = l2_normalize(tl.load(rows, mask=held, other=0.0).to(tl.float32), 1.0)
+    gates = tl.load(rows + K * stride_kg_dim, mask=held, other=0.0).to(tl.float32)
+    next_gates = tl.load(rows + stride_kg_tok + K * stride_kg_dim, mask=after,
+                         other=0.0).to(tl.float32)
+    decays = tl.where(held, tl.exp(kda_gate(gates, dt_bias[None, :], A, lower_bound,
+                                            USE_LOWER_BOUND)), 1.0)
+    next_decays = tl.where(after, tl.exp(kda_gate(next_gates, dt_bias[None, :], A, lower_bound,
+                                                  USE_LOWER_BOUND)), 1.0)
+    return keys, decays, next_decays
+
+
+@triton.jit
+def pending_terms(key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, pending,
+                  dt_bias, A, lower_bound, offs_k, mask_k, coef_at, K: tl.constexpr,
+                  USE_LOWER_BOUND: tl.constexpr):
+    """The checkpoint terms of a window (rows t of `[BT, BK]` tiles: E_t k_t
+    and E_t q_t) moved onto a checkpoint with `pending` records not yet folded
+    in. With the records' normalised keys k_j, decays d_j and corrections u_j,
+    the folded state is S = S0 D + sum_j u_j (k_j d_{j+1} ... d_{p-1})^T with
+    D = d_0 ... d_{p-1}, so S x = S0 (D x) + sum_j u_j c_j(x): the state is
+    never built, and the programs that stream S0 add the records' corrections
+    times the coefficients. Walks the records from the last, decaying the
+    terms as it goes (the decays multiplied in one by one, as the commit
+    folds); stores c_j of token t's key term at `coef_at + j * 2 BT + t` and of
+    its query term at `+ BT + t` for j < pending (readers mask the rest) and
+    returns the terms times D."""
+    BT: tl.constexpr = key_terms.shape[0]
+    for i in range(0, pending):
+        j = pending - 1 - i
+        row = kg_head + j * stride_kg_tok + offs_k * stride_kg_dim
+        key = l2_normalize(tl.load(row, mask=mask_k, other=0.0).to(tl.float32), 1.0)
+        gate = tl.load(row + K * stride_kg_dim, mask=mask_k, other=0.0).to(tl.float32)
+        decay = tl.where(mask_k, tl.exp(kda_gate(gate, dt_bias, A, lower_bound,
+                                                 USE_LOWER_BOUND)), 1.0)
+        coef_row = coef_at + j * (2 * BT) + steps
+        tl.store(coef_row, tl.sum(key_terms * key[None, :], axis=1))
+        tl.store(coef_row + BT, tl.sum(query_terms * key[None, :], axis=1))
+        key_terms = key_terms * decay[None, :]
+        query_terms = query_terms * decay[None, :]
+    return key_terms, query_terms
 
 
 @triton.jit
@@ -198,3 +262,57 @@ def commit_plan_row(
         boundary_col = tl.where((commit > 0) & (computed + commit >= next_boundary),
                                 tl.minimum(next_boundary // block_size - 1, bt_cols - 1), -1)
     return commit, row, final_col, boundary_col, recovery
+
+
+@triton.jit
+def deferred_plan_row(
+    b,
+    accepted_ptr, stride_accepted,
+    request_ptr, stride_request,
+    state_indices_ptr, stride_state_indices,
+    query_start_ptr, stride_query_start,
+    computed_ptr, stride_computed,
+    pending_ptr, stride_pending,
+    num_rows, num_blocks, bt_cols, block_size,
+    RECORDS: tl.constexpr,
+    HAS_REQUEST_INDICES: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """The deferred commit's plan (docs/semantics.md#11-the-deferred-schedule)
+    of request `b` for the layer whose pending counts start at `pending_ptr`,
+    up to the block-table lookups (see commit_plan_row for why they stay in the
+    caller): (accepted c, total, row, final column, boundary column, recovery,
+    pending before, source), int64. Align mode plans from the checkpoint's
+    position, `num_computed_tokens - pending` clamped at 0; the boundary column
+    is -1 where the fold crosses no block boundary."""
+    bos = tl.load(query_start_ptr + b * stride_query_start).to(tl.int64)
+    eos = tl.load(query_start_ptr + (b + 1) * stride_query_start).to(tl.int64)
+    window = tl.maximum(eos - bos, 0)
+    if HAS_REQUEST_INDICES:
+        row = tl.load(request_ptr + b * stride_request).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
+    source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+    valid = block_is_valid(source, num_blocks)
+    row_ok = (row >= 0) & (row < num_rows)
+    row = tl.where(row_ok, row, 0)
+    first = pending_count(pending_ptr + tl.where(valid, source, 0) * stride_pending, valid,
+                          RECORDS, True)
+    accepted = tl.load(accepted_ptr + row * stride_accepted, mask=row_ok, other=0).to(tl.int64)
+    ok = row_ok & valid
+    accepted_now = tl.where(ok, tl.minimum(tl.minimum(tl.maximum(accepted, 0), window),
+                                           RECORDS - first), 0)
+    total = tl.where(ok, first + accepted_now, 0)
+    final_col = tl.zeros_like(row)
+    boundary_col = final_col - 1
+    recovery = tl.zeros_like(row)
+    if ALIGN:
+        computed = tl.maximum(tl.load(computed_ptr + row * stride_computed, mask=row_ok,
+                                      other=0).to(tl.int64), 0)
+        start = tl.maximum(computed - first, 0)  # the checkpoint holds the tokens before it
+        final_col = tl.minimum(tl.maximum(start + total - 1, 0) // block_size, bt_cols - 1)
+        next_boundary = (start // block_size + 1) * block_size
+        recovery = next_boundary - start
+        boundary_col = tl.where(start + total >= next_boundary,
+                                tl.minimum(next_boundary // block_size - 1, bt_cols - 1), -1)
+    return accepted_now, total, row, final_col, boundary_col, recovery, first, source

@@ -38,8 +38,9 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import (block_is_valid, link_tokens, live_range, load_window,
-                     prefetch_state_rows, wait_for_previous_kernel, window_vectors)
+from .common import (block_is_valid, link_tokens, live_range, load_window, pending_count,
+                     pending_records, pending_terms, prefetch_state_rows,
+                     wait_for_previous_kernel, window_vectors)
 from .dispatch import WINDOW_TERMS_WARPS, dependent_launch, launch_options, verify_config
 from .verify_tensor_cores import tensor_core_tile, tensor_core_verify_kernel, window_terms_kernel
 
@@ -48,7 +49,7 @@ from .verify_tensor_cores import tensor_core_tile, tensor_core_verify_kernel, wi
 def _verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr,
     state_ptr, correction_ptr, key_gate_ptr, out_ptr, vectors_ptr, coupling_ptr,
-    query_start_ptr, state_indices_ptr,
+    pending_ptr, pending_terms_ptr, query_start_ptr, state_indices_ptr,
     num_blocks, lower_bound, scale,
     stride_q_tok, stride_q_head, stride_q_dim,
     stride_k_tok, stride_k_head, stride_k_dim,
@@ -60,9 +61,10 @@ def _verify_kernel(
     stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
     stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
     stride_o_tok, stride_o_head, stride_o_dim,
-    stride_query_start, stride_state_indices,
+    stride_query_start, stride_state_indices, stride_pending,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    SPEC_LEN: tl.constexpr, BT: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    SPEC_LEN: tl.constexpr, BT: tl.constexpr, RECORDS: tl.constexpr, BR: tl.constexpr,
+    DEFERRED: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr, UNROLL_TOKENS: tl.constexpr,
     CLOSED_FORM: tl.constexpr, TENSOR_CORES: tl.constexpr, NP: tl.constexpr,
     STAGES: tl.constexpr, PREFETCH_STATE: tl.constexpr,
@@ -90,10 +92,12 @@ def _verify_kernel(
     mask_k = offs_k < K
 
     valid = block_is_valid(block, num_blocks)
-    # Null rows, and tokens past the record capacity, get zero outputs.
-    zero_from = tl.where(valid, SPEC_LEN, 0).to(tl.int64)
+    # The window is recorded after the block's pending records.
+    first = pending_count(pending_ptr + tl.where(valid, block, 0) * stride_pending, valid,
+                          RECORDS, DEFERRED)
+    # Null rows, and tokens past T or past the records' room, get zero outputs.
+    processed = tl.where(valid, tl.minimum(tl.minimum(window, SPEC_LEN), RECORDS - first), 0)
     if valid:
-        processed = tl.minimum(window, SPEC_LEN)
         # The first state tile is requested before phase 1, so that its latency
         # overlaps phase 1's loads and arithmetic.
         NUM_CHUNKS: tl.constexpr = BK // KEY_CHUNK
@@ -101,6 +105,8 @@ def _verify_kernel(
         slot_keys = (slots // BV)[:, None] * KEY_CHUNK + tl.arange(0, KEY_CHUNK)[None, :]
         slot_key_mask = slot_keys < K
         state_head = state_ptr + block * stride_s_blk + h * stride_s_head
+        kg_head = key_gate_ptr + block * stride_kg_blk + h * stride_kg_head
+        corr_head = correction_ptr + block * stride_c_blk + h * stride_c_head
         if not TENSOR_CORES:  # the tensor-core products load their own chunks
             state = _load_state_tile(state_head, first_tile, slots, slot_keys, slot_key_mask,
                                      stride_s_v, stride_s_k, V, BV)
@@ -128,14 +134,23 @@ def _verify_kernel(
         # values (those of zero inputs; a decay of 1 in closed form), for the
         # unrolled token loop to run over.
         vec_tile = vec_base + offs_k[None, :] + steps[:, None] * (NUM_VECTORS * BK)
+        # Deferred: closed forms keep the coefficients of pending_terms, `[BR, 2 BT]`;
+        # the token loop the pending records' decays and keys, `[BR, 2 BK]`.
+        pending_at = pending_terms_ptr + head_row * (BR * 2 * (BT if CLOSED_FORM else BK))
         if CLOSED_FORM:
             # E_t, the decay product of tokens 0..t, scales the token's key and
             # query for their products with the checkpoint; k, q and the decay
             # feed the coupling below.
             decays = tl.where(tile_mask, decays, 1.0)
             window_decays = tl.cumprod(decays, axis=0)
-            tl.store(vec_tile, keys * window_decays)
-            tl.store(vec_tile + BK, queries * window_decays)
+            key_terms = keys * window_decays
+            query_terms = queries * window_decays
+            if DEFERRED:
+                key_terms, query_terms = pending_terms(
+                    key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
+                    dt_bias, A, lower_bound, offs_k, mask_k, pending_at, K, USE_LOWER_BOUND)
+            tl.store(vec_tile, key_terms)
+            tl.store(vec_tile + BK, query_terms)
             tl.store(vec_tile + 2 * BK, keys)
             tl.store(vec_tile + 3 * BK, queries)
             tl.store(vec_tile + 4 * BK, decays)
@@ -148,9 +163,17 @@ def _verify_kernel(
             tl.store(vec_tile + 2 * BK, queries)
             coupling_at = coupling_ptr + head_row * BT
             tl.store(coupling_at + steps, tl.sum(keys * queries, axis=1))
+            if DEFERRED:
+                pending_keys, pending_decays, _ = pending_records(
+                    kg_head, stride_kg_tok, stride_kg_dim, first, dt_bias, A, lower_bound,
+                    offs_k, mask_k, K, BR, USE_LOWER_BOUND)
+                pending_rows = pending_at + tl.arange(0, BR)[:, None] * (2 * BK) + offs_k[None, :]
+                tl.store(pending_rows, pending_decays)
+                tl.store(pending_rows + BK, pending_keys)
+        # Pending records are only read (positions < first): no program writes them.
         if tl.program_id(0) == 0:
-            kg_tile = (key_gate_ptr + block * stride_kg_blk + h * stride_kg_head
-                       + steps[:, None] * stride_kg_tok + offs_k[None, :] * stride_kg_dim)
+            kg_tile = (kg_head + (first + steps)[:, None] * stride_kg_tok
+                       + offs_k[None, :] * stride_kg_dim)
             tl.store(kg_tile, raw_k, mask=tile_mask)
             tl.store(kg_tile + K * stride_kg_dim, raw_g, mask=tile_mask)
         tl.debug_barrier()  # the workspace rows are written before any thread reads them
@@ -182,6 +205,10 @@ def _verify_kernel(
             if (tile_in_group > 0) and (not TENSOR_CORES):
                 state = _load_state_tile(state_head, tile, slots, slot_keys, slot_key_mask,
                                          stride_s_v, stride_s_k, V, BV)
+            if DEFERRED and (not CLOSED_FORM):
+                state = _fold_pending(state, first, pending_at, slot_keys, slot_key_mask,
+                                      corr_head, tile * BV + slots % BV, stride_c_tok,
+                                      stride_c_dim, V, BK)
             # Each token's outputs are kept in `[BV, BT]` tiles, in the layout
             # the row sums come in, and stored once after the loop: a store per
             # token needed a layout conversion through shared memory (four
@@ -195,13 +222,15 @@ def _verify_kernel(
                 outs, corrections = tensor_core_tile(
                     state_head, term_cols, outs, corrections, processed, steps, coupling_at,
                     v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
-                    stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES,
+                    stride_beta_tok, first, corr_head, pending_at, stride_c_tok, stride_c_dim,
+                    K, V, BK, BV, BT, NP, SPEC_LEN, BR, DEFERRED, KEY_CHUNK, STAGES,
                     CHEAP_SPLIT=False)
             elif CLOSED_FORM:
                 outs, corrections = _closed_form_tile(
                     state, outs, corrections, processed, steps, vec_base, slot_keys,
                     slot_key_mask, coupling_at, v_rows, offs_v, beta_at, stride_v_tok,
-                    stride_beta_tok, V, BK, BV, BT, SPEC_LEN, NUM_CHUNKS, KEY_CHUNK)
+                    stride_beta_tok, first, corr_head, pending_at, tile, stride_c_tok,
+                    stride_c_dim, V, BK, BV, BT, SPEC_LEN, BR, DEFERRED, NUM_CHUNKS, KEY_CHUNK)
             elif UNROLL_TOKENS:
                 for t in tl.static_range(SPEC_LEN):
                     state, outs, corrections = _token_step(
@@ -217,10 +246,9 @@ def _verify_kernel(
             step_mask = mask_v[:, None] & (steps < processed)[None, :]
             tl.store(out_ptr + (bos + steps[None, :]) * stride_o_tok + h * stride_o_head
                      + offs_v[:, None] * stride_o_dim, outs, mask=step_mask)
-            tl.store(correction_ptr + block * stride_c_blk + h * stride_c_head
-                     + steps[None, :] * stride_c_tok + offs_v[:, None] * stride_c_dim,
-                     corrections, mask=step_mask)
-    for t in range(zero_from, window):
+            tl.store(corr_head + (first + steps)[None, :] * stride_c_tok
+                     + offs_v[:, None] * stride_c_dim, corrections, mask=step_mask)
+    for t in range(processed, window):
         # Formed here, in a rarely taken loop, so that nothing of it is held
         # across phase 2 (see the tile loop).
         offs_group = first_tile * BV + tl.arange(0, V_TILES * BV)
@@ -310,8 +338,10 @@ def _store_coupling(keys, vec_base, offs_k, mask_k, steps, coupling_at, BK: tl.c
 @triton.jit
 def _closed_form_tile(state, outs, corrections, processed, steps, vec_base, slot_keys,
                       slot_key_mask, coupling_at, v_rows, offs_v, beta_at, stride_v_tok,
-                      stride_beta_tok, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      BT: tl.constexpr, SPEC_LEN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                      stride_beta_tok, pending, corr_head, pending_at, tile, stride_c_tok,
+                      stride_c_dim, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      BT: tl.constexpr, SPEC_LEN: tl.constexpr, BR: tl.constexpr,
+                      DEFERRED: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                       KEY_CHUNK: tl.constexpr):
     """A state tile's outputs in closed form. With S0 the checkpoint and E_t
     the decay product of tokens 0..t, the recurrence unrolls to
@@ -321,7 +351,18 @@ def _closed_form_tile(state, outs, corrections, processed, steps, vec_base, slot
     (the token loop's decay and update passes are gone), and the tokens are
     linked afterwards through the coupling, on `[BV]` vectors held in tuples.
     Tokens past the window read no v or beta: their u is 0 and nothing of
-    theirs is stored."""
+    theirs is stored. Deferred, `state` is the checkpoint and the pending
+    records' corrections add their part (common.pending_terms), held over
+    the records as the state tile is over keys."""
+    if DEFERRED:
+        RECORD_CHUNKS: tl.constexpr = (BR + KEY_CHUNK - 1) // KEY_CHUNK
+        record_slots = tl.arange(0, RECORD_CHUNKS * BV)
+        records = ((record_slots // BV)[:, None] * KEY_CHUNK
+                   + tl.arange(0, KEY_CHUNK)[None, :])
+        record_rows = tile * BV + record_slots % BV
+        pending_corrections = tl.load(
+            corr_head + records * stride_c_tok + record_rows[:, None] * stride_c_dim,
+            mask=(records < pending) & (record_rows < V)[:, None], other=0.0).to(tl.float32)
     residuals = ()
     query_dots = ()
     for t in tl.static_range(SPEC_LEN):
@@ -330,10 +371,37 @@ def _closed_form_tile(state, outs, corrections, processed, steps, vec_base, slot
         query = tl.load(row + BK, mask=slot_key_mask, other=0.0)
         v = tl.load(v_rows + t * stride_v_tok, mask=live_range(offs_v, V, t < processed),
                     other=0.0).to(tl.float32)
-        residuals = residuals + (v - _row_dot(state * key, NUM_CHUNKS, BV, KEY_CHUNK),)
-        query_dots = query_dots + (_row_dot(state * query, NUM_CHUNKS, BV, KEY_CHUNK),)
+        residual = v - _row_dot(state * key, NUM_CHUNKS, BV, KEY_CHUNK)
+        query_dot = _row_dot(state * query, NUM_CHUNKS, BV, KEY_CHUNK)
+        if DEFERRED:
+            coef = pending_at + records * (2 * BT) + t
+            key_coef = tl.load(coef, mask=records < pending, other=0.0)
+            query_coef = tl.load(coef + BT, mask=records < pending, other=0.0)
+            residual -= _row_dot(pending_corrections * key_coef, RECORD_CHUNKS, BV, KEY_CHUNK)
+            query_dot += _row_dot(pending_corrections * query_coef, RECORD_CHUNKS, BV,
+                                  KEY_CHUNK)
+        residuals = residuals + (residual,)
+        query_dots = query_dots + (query_dot,)
     return link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,
                        beta_at, stride_beta_tok, BT, SPEC_LEN)
+
+
+@triton.jit
+def _fold_pending(state, pending, pending_at, slot_keys, slot_key_mask, corr_head, slot_rows,
+                  stride_c_tok, stride_c_dim, V: tl.constexpr, BK: tl.constexpr):
+    """The token loop's state tile with the block's pending records folded in,
+    from phase 1's decay and key rows; each row's correction is loaded at the
+    tile's shape (every key of a row reads the same value), in its layout."""
+    corrections_at = tl.broadcast_to((corr_head + slot_rows * stride_c_dim)[:, None],
+                                     slot_keys.shape)
+    rows_ok = (slot_rows < V)[:, None] & slot_key_mask
+    for j in range(0, pending):
+        row = pending_at + j * (2 * BK) + slot_keys
+        decay = tl.load(row, mask=slot_key_mask, other=0.0)
+        key = tl.load(row + BK, mask=slot_key_mask, other=0.0)
+        u = tl.load(corrections_at + j * stride_c_tok, mask=rows_ok, other=0.0).to(tl.float32)
+        state = state * decay + u * key
+    return state
 
 
 @triton.jit
@@ -343,12 +411,16 @@ def _row_dot(products, NUM_CHUNKS: tl.constexpr, BV: tl.constexpr, KEY_CHUNK: tl
     return tl.sum(tl.sum(tl.reshape(products, [NUM_CHUNKS, BV, KEY_CHUNK]), axis=0), axis=1)
 
 
-def verify_launches(config, key_dim, value_dim, spec_len, use_lower_bound, pdl):
-    """The kernels of one verify launch: {name: (kernel, constexprs, num_warps)}.
-    tools/kernel_resources.py compiles exactly these."""
+def verify_launches(config, key_dim, value_dim, spec_len, use_lower_bound, pdl, records=None,
+                    deferred=False):
+    """The kernels of one verify launch: {name: (kernel, constexprs, num_warps)},
+    for windows of up to `spec_len` tokens and records of `records` positions
+    (default spec_len). tools/kernel_resources.py compiles exactly these."""
+    records = spec_len if records is None else records
     BK = triton.next_power_of_2(key_dim)
     BT = triton.next_power_of_2(spec_len)
-    shape = dict(K=key_dim, BK=BK, SPEC_LEN=spec_len, BT=BT)
+    shape = dict(K=key_dim, BK=BK, SPEC_LEN=spec_len, BT=BT, RECORDS=records,
+                 BR=triton.next_power_of_2(records), DEFERRED=deferred)
     if config.separate_terms:
         link = config.link_on_tensor_cores
         return {
@@ -371,20 +443,33 @@ def verify_launches(config, key_dim, value_dim, spec_len, use_lower_bound, pdl):
 
 
 def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                  query_start_loc, state_indices, lower_bound, scale, out, dims):
+                  query_start_loc, state_indices, lower_bound, scale, out, dims, pending=None,
+                  spec_len=None):
+    """`spec_len`: the longest window, T (default: the records' positions)."""
     if dims.batch == 0:
         return
     num_heads, K, V = dims.num_heads, dims.key_dim, dims.value_dim
-    config = verify_config(K, V, dims.batch * num_heads, dims.spec_len)
+    records = dims.spec_len
+    spec_len = records if spec_len is None else spec_len
+    deferred = pending is not None
+    config = verify_config(K, V, dims.batch * num_heads, spec_len)
     launch = dependent_launch(q, dims.batch)
-    kernels = verify_launches(config, K, V, dims.spec_len, lower_bound is not None,
-                              launch["PDL"])
+    kernels = verify_launches(config, K, V, spec_len, lower_bound is not None, launch["PDL"],
+                              records, deferred)
     BK = triton.next_power_of_2(K)
-    BT = triton.next_power_of_2(dims.spec_len)
+    BT = triton.next_power_of_2(spec_len)
+    BR = triton.next_power_of_2(records)
     dt_strides = (dt_bias.stride(0), dt_bias.stride(1)) if dt_bias.dim() == 2 else (
         K * dt_bias.stride(0), dt_bias.stride(0))
-    index_args = (query_start_loc, state_indices)
+    # Per (request, head), deferred: the pending records' coefficients `[BR, 2 BT]`
+    # (closed forms), or their decays and keys `[BR, 2 BK]` (token loop).
+    pending_terms = torch.empty(
+        (dims.batch, num_heads, BR * 2 * (BT if config.closed_form else BK)) if deferred else (1,),
+        device=q.device, dtype=torch.float32)
+    counts = pending if deferred else state_indices  # unread in the immediate schedule
+    index_args = (pending_terms, query_start_loc, state_indices)
     scalars = (dims.num_blocks, float(lower_bound or 0.0), float(scale))
+    index_strides = (query_start_loc.stride(0), state_indices.stride(0), counts.stride(0))
     if config.separate_terms:
         # Per (request, head): E k and E q of every token, and the couplings (or,
         # with the link product, the link matrices: the same size).
@@ -394,17 +479,16 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                                dtype=torch.float32)
         kernel, constexprs, warps = kernels["window_terms"]
         wrap_triton(kernel)[(dims.batch, num_heads)](
-            q, k, g, beta, A_log, dt_bias, key_gate, terms, coupling, *index_args, *scalars,
-            *_token_strides(q), *_token_strides(k), *_token_strides(g), *beta.stride()[-2:],
-            A_log.stride(0), *dt_strides, *key_gate.stride(),
-            query_start_loc.stride(0), state_indices.stride(0),
-            **constexprs, num_warps=warps, **launch_options(launch),
+            q, k, g, beta, A_log, dt_bias, key_gate, terms, coupling, counts, *index_args,
+            *scalars, *_token_strides(q), *_token_strides(k), *_token_strides(g),
+            *beta.stride()[-2:], A_log.stride(0), *dt_strides, *key_gate.stride(),
+            *index_strides, **constexprs, num_warps=warps, **launch_options(launch),
         )
         kernel, constexprs, warps = kernels["verify_tensor_cores"]
         wrap_triton(kernel)[(triton.cdiv(V, config.block_v), dims.batch, num_heads)](
-            v, beta, state, correction, out, terms, coupling, *index_args, dims.num_blocks,
-            *_token_strides(v), *beta.stride()[-2:], *state.stride(), *correction.stride(),
-            *_token_strides(out), query_start_loc.stride(0), state_indices.stride(0),
+            v, beta, state, correction, out, terms, coupling, counts, *index_args,
+            dims.num_blocks, *_token_strides(v), *beta.stride()[-2:], *state.stride(),
+            *correction.stride(), *_token_strides(out), *index_strides,
             **constexprs, num_warps=warps, **launch_options(launch),
         )
         return
@@ -419,12 +503,12 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     kernel, constexprs, warps = kernels["verify"]
     wrap_triton(kernel)[grid](
         q, k, v, g, beta, A_log, dt_bias,
-        state, correction, key_gate, out, vectors, coupling, *index_args, *scalars,
+        state, correction, key_gate, out, vectors, coupling, counts, *index_args, *scalars,
         *_token_strides(q), *_token_strides(k), *_token_strides(v), *_token_strides(g),
         *beta.stride()[-2:],
         A_log.stride(0), *dt_strides,
         *state.stride(), *correction.stride(), *key_gate.stride(), *_token_strides(out),
-        query_start_loc.stride(0), state_indices.stride(0),
+        *index_strides,
         **constexprs, num_warps=warps, **launch_options(launch),
     )
 

@@ -17,14 +17,14 @@ took 219 us against 375 us for one fused kernel.
 import triton
 import triton.language as tl
 
-from .common import (block_is_valid, link_tokens, live_range, load_window,
-                     wait_for_previous_kernel, window_vectors)
+from .common import (block_is_valid, link_tokens, live_range, load_window, pending_count,
+                     pending_terms, wait_for_previous_kernel, window_vectors)
 
 
 @triton.jit
 def window_terms_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, key_gate_ptr, terms_ptr, coupling_ptr,
-    query_start_ptr, state_indices_ptr,
+    pending_ptr, pending_terms_ptr, query_start_ptr, state_indices_ptr,
     num_blocks, lower_bound, scale,
     stride_q_tok, stride_q_head, stride_q_dim,
     stride_k_tok, stride_k_head, stride_k_dim,
@@ -32,8 +32,9 @@ def window_terms_kernel(
     stride_beta_tok, stride_beta_head,
     stride_A_head, stride_dt_head, stride_dt_dim,
     stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
-    stride_query_start, stride_state_indices,
+    stride_query_start, stride_state_indices, stride_pending,
     K: tl.constexpr, BK: tl.constexpr, SPEC_LEN: tl.constexpr, BT: tl.constexpr,
+    RECORDS: tl.constexpr, BR: tl.constexpr, DEFERRED: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, LINK_MATRIX: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -42,7 +43,9 @@ def window_terms_kernel(
     [1, s, t] (see _coupling), or with LINK_MATRIX the link matrices N and W
     (_link_matrices) at [0, s, t] and [1, s, t], and the key/gate record is
     written. Rows past the window hold zeros (a decay of 1), so their coupling
-    is zero."""
+    is zero. Deferred, the terms are those of the checkpoint folded with the
+    pending records, and their coefficients go to `pending_terms`
+    (common.pending_terms)."""
     wait_for_previous_kernel(PDL)
     lower_bound = tl.cast(lower_bound, tl.float32)
     scale = tl.cast(scale, tl.float32)
@@ -51,8 +54,10 @@ def window_terms_kernel(
     bos = tl.load(query_start_ptr + b * stride_query_start).to(tl.int64)
     eos = tl.load(query_start_ptr + (b + 1) * stride_query_start).to(tl.int64)
     block = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
-    if block_is_valid(block, num_blocks):
-        processed = tl.minimum(tl.maximum(eos - bos, 0), SPEC_LEN)
+    valid = block_is_valid(block, num_blocks)
+    if valid:
+        first = pending_count(pending_ptr + block * stride_pending, valid, RECORDS, DEFERRED)
+        processed = tl.minimum(tl.minimum(tl.maximum(eos - bos, 0), SPEC_LEN), RECORDS - first)
         offs_k = tl.arange(0, BK)
         mask_k = offs_k < K
         steps = tl.arange(0, BT)
@@ -64,8 +69,9 @@ def window_terms_kernel(
             stride_q_head, stride_q_dim)
         # The records first: the raw tiles are then dead, which frees registers
         # (168 against 255 at T = 8, Triton 3.6).
-        kg_tile = (key_gate_ptr + block * stride_kg_blk + h * stride_kg_head
-                   + steps[:, None] * stride_kg_tok + offs_k[None, :] * stride_kg_dim)
+        kg_head = key_gate_ptr + block * stride_kg_blk + h * stride_kg_head
+        kg_tile = (kg_head + (first + steps)[:, None] * stride_kg_tok
+                   + offs_k[None, :] * stride_kg_dim)
         tl.store(kg_tile, raw_k, mask=tile_mask)
         tl.store(kg_tile + K * stride_kg_dim, raw_g, mask=tile_mask)
         A = tl.exp(tl.load(A_log_ptr + h * stride_A_head).to(tl.float32))
@@ -76,9 +82,16 @@ def window_terms_kernel(
         decays = tl.where(tile_mask, decays, 1.0)
         window_decays = tl.cumprod(decays, axis=0)
         head_row = (b * tl.num_programs(1) + h).to(tl.int64)  # workspace rows: int64 offsets
+        key_terms = keys * window_decays
+        query_terms = queries * window_decays
+        if DEFERRED:
+            key_terms, query_terms = pending_terms(
+                key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
+                dt_bias, A, lower_bound, offs_k, mask_k,
+                pending_terms_ptr + head_row * (BR * 2 * BT), K, USE_LOWER_BOUND)
         terms_tile = terms_ptr + head_row * (2 * BT * BK) + steps[:, None] * BK + offs_k[None, :]
-        tl.store(terms_tile, keys * window_decays)
-        tl.store(terms_tile + BT * BK, queries * window_decays)
+        tl.store(terms_tile, key_terms)
+        tl.store(terms_tile + BT * BK, query_terms)
         key_coupling, query_coupling = _coupling(keys, queries, decays, steps, SPEC_LEN)
         if LINK_MATRIX:
             beta = tl.load(beta_ptr + (bos + steps) * stride_beta_tok + h * stride_beta_head,
@@ -146,9 +159,11 @@ def _link_matrices(key_coupling, query_coupling, gains, steps, SPEC_LEN: tl.cons
 @triton.jit
 def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps, coupling_at,
                      v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
-                     stride_beta_tok, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                     stride_beta_tok, pending, corr_head, pending_at, stride_c_tok,
+                     stride_c_dim, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
-                     SPEC_LEN: tl.constexpr, KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr,
+                     SPEC_LEN: tl.constexpr, BR: tl.constexpr, DEFERRED: tl.constexpr,
+                     KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr,
                      CHEAP_SPLIT: tl.constexpr):
     """A state tile's closed form with its 2T products on tensor cores: one
     `[BV, NP]` product of the tile with every token's E k (column t) and E q
@@ -157,8 +172,9 @@ def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps,
     that Triton pipelines through shared memory; then the tokens are linked.
     The products run in 3xTF32 (each operand split into two TF32 parts, three
     products), which keeps fp32 accuracy: plain TF32 would lose it."""
-    products = state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, K, V, BK,
-                              BV, BT, NP, KEY_CHUNK, STAGES, CHEAP_SPLIT)
+    products = state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, pending,
+                              corr_head, pending_at, stride_c_tok, stride_c_dim, K, V, BK,
+                              BV, BT, NP, BR, DEFERRED, KEY_CHUNK, STAGES, CHEAP_SPLIT)
     cols = tl.arange(0, NP)
     residuals = ()
     query_dots = ()
@@ -173,12 +189,15 @@ def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps,
 
 
 @triton.jit
-def state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, K: tl.constexpr,
+def state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, pending, corr_head,
+                   pending_at, stride_c_tok, stride_c_dim, K: tl.constexpr,
                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                   NP: tl.constexpr, KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr,
-                   CHEAP_SPLIT: tl.constexpr):
+                   NP: tl.constexpr, BR: tl.constexpr, DEFERRED: tl.constexpr,
+                   KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr, CHEAP_SPLIT: tl.constexpr):
     """The `[BV, NP]` product of a state tile with the columns at `term_cols`
-    (see tensor_core_tile)."""
+    (see tensor_core_tile). Deferred, the pending records' corrections
+    `[BV, records]` times their coefficients `[records, NP]` (at `pending_at`,
+    common.pending_terms) are added: the product of the folded state."""
     cols = tl.arange(0, NP)
     chunk = tl.arange(0, KEY_CHUNK)
     w_mask = (cols < 2 * BT)[None, :]
@@ -191,6 +210,15 @@ def state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, K: tl.
                     other=0.0).to(tl.float32)
         w = tl.load(term_cols[None, :] + keys[:, None], mask=w_mask, other=0.0)
         products = dot_3xtf32(s, w, products, CHEAP_SPLIT)
+    if DEFERRED:
+        correction_rows = corr_head + offs_v[:, None] * stride_c_dim
+        for r0 in tl.static_range(0, BR, KEY_CHUNK):
+            records = r0 + chunk
+            u = tl.load(correction_rows + records[None, :] * stride_c_tok,
+                        mask=rows_ok & (records < pending)[None, :], other=0.0).to(tl.float32)
+            coef = tl.load(pending_at + records[:, None] * (2 * BT) + cols[None, :],
+                           mask=(records < pending)[:, None] & w_mask, other=0.0)
+            products = dot_3xtf32(u, coef, products, CHEAP_SPLIT)
     return products
 
 
@@ -247,16 +275,17 @@ def link_on_tensor_cores(products, processed, link_at, v_rows, offs_v, stride_v_
 @triton.jit
 def tensor_core_verify_kernel(
     v_ptr, beta_ptr, state_ptr, correction_ptr, out_ptr, terms_ptr, coupling_ptr,
-    query_start_ptr, state_indices_ptr,
+    pending_ptr, pending_terms_ptr, query_start_ptr, state_indices_ptr,
     num_blocks,
     stride_v_tok, stride_v_head, stride_v_dim,
     stride_beta_tok, stride_beta_head,
     stride_s_blk, stride_s_head, stride_s_v, stride_s_k,
     stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
     stride_o_tok, stride_o_head, stride_o_dim,
-    stride_query_start, stride_state_indices,
+    stride_query_start, stride_state_indices, stride_pending,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    SPEC_LEN: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, KEY_CHUNK: tl.constexpr,
+    SPEC_LEN: tl.constexpr, BT: tl.constexpr, RECORDS: tl.constexpr, BR: tl.constexpr,
+    DEFERRED: tl.constexpr, NP: tl.constexpr, KEY_CHUNK: tl.constexpr,
     STAGES: tl.constexpr, LINK_MATRIX: tl.constexpr, CHEAP_SPLIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -272,22 +301,27 @@ def tensor_core_verify_kernel(
     window = tl.maximum(eos - bos, 0)
     block = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
     valid = block_is_valid(block, num_blocks)
-    # Null rows, and tokens past the record capacity, get zero outputs.
-    zero_from = tl.where(valid, SPEC_LEN, 0).to(tl.int64)
+    # The window is recorded after the block's pending records.
+    first = pending_count(pending_ptr + tl.where(valid, block, 0) * stride_pending, valid,
+                          RECORDS, DEFERRED)
+    # Null rows, and tokens past T or past the records' room, get zero outputs.
+    processed = tl.where(valid, tl.minimum(tl.minimum(window, SPEC_LEN), RECORDS - first), 0)
     offs_v = tile * BV + tl.arange(0, BV)
     mask_v = offs_v < V
     if valid:
-        processed = tl.minimum(window, SPEC_LEN)
         head_row = (b * tl.num_programs(2) + h).to(tl.int64)  # workspace rows: int64 offsets
         steps = tl.arange(0, BT)
         # Column n < BT reads token n's E k, BT <= n < 2 BT token n - BT's E q.
         term_cols = terms_ptr + head_row * (2 * BT * BK) + tl.arange(0, NP) * BK
         state_head = state_ptr + block * stride_s_blk + h * stride_s_head
+        corr_head = correction_ptr + block * stride_c_blk + h * stride_c_head
+        pending_at = pending_terms_ptr + head_row * (BR * 2 * BT)
         v_rows = v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim
         if LINK_MATRIX:
             outs, corrections = link_on_tensor_cores(
-                state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, K, V, BK,
-                               BV, BT, NP, KEY_CHUNK, STAGES, CHEAP_SPLIT),
+                state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, first,
+                               corr_head, pending_at, stride_c_tok, stride_c_dim, K, V, BK,
+                               BV, BT, NP, BR, DEFERRED, KEY_CHUNK, STAGES, CHEAP_SPLIT),
                 processed, coupling_ptr + head_row * (2 * BT * BT), v_rows, offs_v,
                 stride_v_tok, V, BT)
         else:
@@ -296,14 +330,14 @@ def tensor_core_verify_kernel(
                 tl.zeros([BV, BT], dtype=tl.float32), tl.zeros([BV, BT], dtype=tl.float32),
                 processed, steps, coupling_ptr + head_row * (2 * BT * BT), v_rows, offs_v,
                 beta_ptr + bos * stride_beta_tok + h * stride_beta_head, stride_s_v, stride_s_k,
-                stride_v_tok, stride_beta_tok, K, V, BK, BV, BT, NP, SPEC_LEN, KEY_CHUNK, STAGES,
+                stride_v_tok, stride_beta_tok, first, corr_head, pending_at, stride_c_tok,
+                stride_c_dim, K, V, BK, BV, BT, NP, SPEC_LEN, BR, DEFERRED, KEY_CHUNK, STAGES,
                 CHEAP_SPLIT)
         step_mask = mask_v[:, None] & (steps < processed)[None, :]
         tl.store(out_ptr + (bos + steps[None, :]) * stride_o_tok + h * stride_o_head
                  + offs_v[:, None] * stride_o_dim, outs, mask=step_mask)
-        tl.store(correction_ptr + block * stride_c_blk + h * stride_c_head
-                 + steps[None, :] * stride_c_tok + offs_v[:, None] * stride_c_dim,
-                 corrections, mask=step_mask)
-    for t in range(zero_from, window):
+        tl.store(corr_head + (first + steps)[None, :] * stride_c_tok
+                 + offs_v[:, None] * stride_c_dim, corrections, mask=step_mask)
+    for t in range(processed, window):
         tl.store(out_ptr + (bos + t) * stride_o_tok + h * stride_o_head + offs_v * stride_o_dim,
                  tl.zeros([BV], dtype=tl.float32), mask=mask_v)
