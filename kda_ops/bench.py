@@ -2,15 +2,19 @@
 
     python -m kda_ops.bench [--ops verify,commit,commit_align,conv_update,verify_commit,step,
                                    step_compiled]
-                            [--batches 1,8,32,...]
-                            [--spec-lens 2,4,8] [--layers 16] [--json out.json] [--plot out.png]
+                            [--batches 1,8,32,...] [--spec-lens 2,4,8]
+                            [--record-lens 12,16] [--acceptance 0.7,1]
+                            [--layers 16] [--json out.json] [--plot out.png]
     python -m kda_ops.bench --table out.json [more.json ...] [--plot out.png]
 
 Ops: verify and conv_update (one layer), commit (all layers; commit_align: in
 align mode, every window crossing a block boundary), verify_commit
 (every layer's verify, then the commit), step (every layer's conv_update +
 verify, then the commit: `kda_ops.models.KDADecodeStep`), step_compiled
-(the same step through `torch.compile(fullgraph=True)`). For each op and
+(the same step through `torch.compile(fullgraph=True)`). The last three also
+run the deferred schedule with records of each R in `--record-lens`, and with
+each draft token accepted with each probability in `--acceptance`; their
+bytes follow the schedule (schedule_bytes), so each row has its own floor. For each op and
 shape: the median time of CUDA-graph replays of one call per rotation set, the bytes
 that must move (each input read once, each output written once), and the
 effective bandwidth as a fraction of the device-to-device copy bandwidth
@@ -26,7 +30,9 @@ import dataclasses
 import functools
 import json
 import math
+import random
 import sys
+from typing import Optional
 
 import torch
 
@@ -45,10 +51,20 @@ class Shape:
     conv_width: int = 4
     act_dtype: torch.dtype = torch.bfloat16
     state_dtype: torch.dtype = torch.float32
+    # The deferred schedule's record positions R > T (None: the immediate schedule).
+    record_len: Optional[int] = None
+    # Each draft token accepted with this probability: a request commits its
+    # first token and the run of accepted drafts after it (1: all T tokens).
+    acceptance: float = 1.0
 
     @property
     def tokens(self):
         return self.batch * self.spec_len
+
+    @property
+    def records(self):
+        """Record positions per block: R, or T in the immediate schedule."""
+        return self.spec_len if self.record_len is None else self.record_len
 
     @property
     def conv_dim(self):
@@ -162,19 +178,91 @@ def step_bytes(shape, accepted=None):
             + commit_bytes(shape, accepted))
 
 
+def record_bytes(shape):
+    """One token's records, all heads of one layer: correction and key/gate."""
+    return shape.heads * (shape.value_dim * 4 + 2 * shape.key_dim * shape.act_dtype.itemsize)
+
+
+# Draws of accepted counts per request and call (acceptance < 1): each block
+# sees this many different draws in turn, so that its fold period varies.
+DRAWS_PER_BLOCK = 8
+
+
+def accepted_draws(shape, calls, seed=0):
+    """Accepted counts (host ints) of `calls` steps of `batch` requests: 1 +
+    the leading accepted drafts of T - 1, each with probability `acceptance`."""
+    rng = random.Random(seed)
+
+    def one():
+        count = 1
+        while count < shape.spec_len and rng.random() < shape.acceptance:
+            count += 1
+        return count
+
+    return [[one() for _ in range(shape.batch)] for _ in range(calls)]
+
+
+def schedule_bytes(shape, draws, sets, pending, with_conv):
+    """Bytes per call of every layer's verify (and conv_update: `with_conv`) and
+    the commit of `draws[j]` tokens, call j using index set j % sets. The deferred
+    schedule's count follows the pending records from `pending` (per set and
+    request) over 16 rounds of the calls: verify reads the pending records,
+    and commit reads and writes the state only where it folds (each fold
+    reads its records); the conv history moves at every commit."""
+    T, R = shape.spec_len, shape.records
+    one = _one_request(shape)
+    window = verify_bytes(one) + (conv_update_bytes(one) if with_conv else 0)
+    history = 2 * _conv_history_bytes(shape)
+    state, record = _state_block_bytes(shape), record_bytes(shape)
+    if shape.record_len is None:
+        per_call = [sum(window + history + 2 * state + c * record for c in draw) for draw in draws]
+        return shape.layers * sum(per_call) / len(draws)
+    pending = [list(row) for row in pending]
+    total_bytes, rounds = 0, 16
+    for _ in range(rounds):
+        for j, draw in enumerate(draws):
+            counts = pending[j % sets]
+            for b, accepted in enumerate(draw):
+                p = counts[b]
+                total = p + min(accepted, R - p)
+                total_bytes += window + p * record + history
+                if total + T > R:
+                    total_bytes += 2 * state + total * record
+                    total = 0
+                counts[b] = total
+    return shape.layers * total_bytes / (rounds * len(draws))
+
+
 def _commit_buffers(shape, device, N):
     L, H, K, V, T = shape.layers, shape.heads, shape.key_dim, shape.value_dim, shape.spec_len
+    R = shape.records
     act = shape.act_dtype
     cols = shape.conv_width - 1 + T - 1
-    return dict(
+    buffers = dict(
         state=torch.randn(L, N, H, V, K, device=device, dtype=shape.state_dtype),
         # Engine layout [L, N, cols, D], passed dim-first.
         conv_state=torch.randn(L, N, cols, shape.conv_dim, device=device, dtype=act).transpose(-1, -2),
-        correction=torch.randn(L, N, H, T, V, device=device),
-        key_gate=torch.randn(L, N, H, T, 2 * K, device=device, dtype=act),
+        correction=torch.randn(L, N, H, R, V, device=device),
+        key_gate=torch.randn(L, N, H, R, 2 * K, device=device, dtype=act),
         A_log=torch.randn(L, H, device=device) * 0.5,
         dt_bias=torch.randn(L, H, K, device=device),
     )
+    if shape.record_len is not None:  # every layer's counts alike, each leaving room for a window
+        counts = torch.randint(0, R - T + 1, (N,), dtype=torch.int32)
+        buffers.update(pending=counts.expand(L, N).contiguous().to(device), spec_len=T)
+    return buffers
+
+
+def _step_calls(shape, sets, device, step):
+    """The calls of a step benchmark, `step(index set, accepted)`, and their
+    bytes: one per index set, or with acceptance < 1 DRAWS_PER_BLOCK per set
+    (each with its own accepted counts, on the device before capture)."""
+    index_sets = _index_sets(sets, shape.batch, device)
+    calls = sets if shape.acceptance >= 1 else sets * DRAWS_PER_BLOCK
+    draws = accepted_draws(shape, calls)
+    accepted = [torch.tensor(draw, device=device, dtype=torch.int32) for draw in draws]
+    return [lambda j=j: step(index_sets[j % sets], accepted[j]) for j in range(calls)], draws, \
+        index_sets
 
 
 def _one_request(shape):
@@ -214,24 +302,32 @@ def setup_commit_align(shape, device):
 def setup_verify_commit(shape, device):
     """Every layer's verify, then one commit of all layers (no conv_update):
     the state traffic of a decode step (docs/semantics.md#3-verify, #5-commit)."""
-    L, B = shape.layers, shape.batch
+    L = shape.layers
     sets, N = _block_pool(shape, decode_bytes(_one_request(shape)))
     bufs = _commit_buffers(shape, device, N)
     q, k, g, v, beta = _token_inputs(shape, device, lead=(L,))
     out = torch.empty_like(v[0])
-    accepted = torch.full((B,), shape.spec_len, device=device, dtype=torch.int32)
     starts = _window_starts(shape, device)
 
-    def call(idx):
+    def call(idx, accepted):
         for layer in range(L):
+            deferred = ({} if shape.record_len is None
+                        else dict(pending=bufs["pending"][layer], spec_len=shape.spec_len))
             kda_ops.verify(q[layer], k[layer], v[layer], g[layer], beta[layer],
                            bufs["A_log"][layer], bufs["dt_bias"][layer], bufs["state"][layer],
                            bufs["correction"][layer], bufs["key_gate"][layer], starts, idx,
-                           lower_bound=-5.0, out=out)
+                           lower_bound=-5.0, out=out, **deferred)
         kda_ops.commit(accepted, idx, starts, lower_bound=-5.0, **bufs)
 
-    calls = [lambda idx=idx: call(idx) for idx in _index_sets(sets, B, device)]
-    return calls, decode_bytes(shape)
+    return _schedule_setup(shape, sets, bufs.get("pending"), device, call, with_conv=False)
+
+
+def _schedule_setup(shape, sets, pending, device, step, with_conv):
+    """(calls, bytes per call) of a decode-step benchmark: see _step_calls and
+    schedule_bytes."""
+    calls, draws, index_sets = _step_calls(shape, sets, device, step)
+    counts = None if pending is None else [pending[0, idx.long()].tolist() for idx in index_sets]
+    return calls, schedule_bytes(shape, draws, sets, counts, with_conv)
 
 
 def setup_conv_update(shape, device):
@@ -255,11 +351,13 @@ def setup_step(shape, device, compiled=False):
     from .models import KDADecodeStep
     sets, N = _block_pool(shape, decode_bytes(_one_request(shape)))
     model = KDADecodeStep.for_benchmark(shape, device, num_blocks=N)
-    hidden, starts, _, accepted = model.example_inputs(shape.batch)
+    if model.deferred:  # every layer's counts alike, as _commit_buffers draws them
+        model.pending.copy_(model.pending[:1].expand_as(model.pending))
+    hidden, starts, _, _ = model.example_inputs(shape.batch)
     step = torch.compile(model.step, fullgraph=True) if compiled else model.step
-    calls = [lambda idx=idx: step(hidden, starts, idx, accepted)
-             for idx in _index_sets(sets, shape.batch, device)]
-    return calls, step_bytes(shape)
+    return _schedule_setup(shape, sets, model.pending if model.deferred else None, device,
+                           lambda idx, accepted: step(hidden, starts, idx, accepted),
+                           with_conv=True)
 
 
 SETUPS = {"verify": setup_verify, "commit": setup_commit, "commit_align": setup_commit_align,
@@ -297,26 +395,48 @@ ONE_LAYER_OPS = ("verify", "conv_update")  # the others run every layer
 WHOLE_STEP_OPS = ("verify_commit", "step", "step_compiled")
 
 
-def run(ops, batches, spec_lens, layers, device):
+def _variants(op, T, record_lens, acceptances):
+    """(record_len, acceptance) of each row of `op` at window length T: the
+    whole-step ops under both schedules (R > T only) at every acceptance; the
+    others immediate, every token accepted."""
+    if op not in WHOLE_STEP_OPS:
+        return [(None, 1.0)]
+    lens = [None] + [R for R in record_lens if R > T]
+    return [(R, a) for a in acceptances for R in lens]
+
+
+def run(ops, batches, spec_lens, layers, device, record_lens=(), acceptances=(1.0,)):
     copy_bw = copy_bandwidth(device)
     rows = []
     for op in ops:
         for T in spec_lens:
-            for B in batches:
-                shape = Shape(batch=B, spec_len=T, layers=layers)
-                calls, moved = SETUPS[op](shape, device)
-                us = graph_time_us(calls)
-                bw = moved / (us * 1e-6)
-                rows.append(dict(op=op, batch=B, spec_len=T,
-                                 layers=1 if op in ONE_LAYER_OPS else layers,
-                                 time_us=us, bytes=moved, bandwidth_gbs=bw / 1e9,
-                                 fraction_of_copy=bw / copy_bw, floor_us=moved / copy_bw * 1e6))
-                print(f"{op:12s} T={T} B={B:4d}  {us:9.1f} us  {bw / 1e9:7.0f} GB/s  "
-                      f"{bw / copy_bw:6.1%} of copy  (floor {moved / copy_bw * 1e6:8.1f} us)",
-                      file=sys.stderr, flush=True)
-                del calls
-                torch.cuda.empty_cache()
+            for R, a in _variants(op, T, record_lens, acceptances):
+                for B in batches:
+                    shape = Shape(batch=B, spec_len=T, layers=layers, record_len=R, acceptance=a)
+                    calls, moved = SETUPS[op](shape, device)
+                    us = graph_time_us(calls)
+                    bw = moved / (us * 1e-6)
+                    rows.append(dict(op=op, batch=B, spec_len=T, record_len=R, acceptance=a,
+                                     layers=1 if op in ONE_LAYER_OPS else layers,
+                                     time_us=us, bytes=moved, bandwidth_gbs=bw / 1e9,
+                                     fraction_of_copy=bw / copy_bw,
+                                     floor_us=moved / copy_bw * 1e6))
+                    print(f"{_label(rows[-1]):32s} T={T} B={B:4d}  {us:9.1f} us  "
+                          f"{bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%} of copy  "
+                          f"(floor {moved / copy_bw * 1e6:8.1f} us)", file=sys.stderr, flush=True)
+                    del calls
+                    torch.cuda.empty_cache()
     return copy_bw, rows
+
+
+def _label(row):
+    """An op's name in the table: with its schedule and acceptance where they vary."""
+    label = row["op"]
+    if row.get("record_len") is not None:
+        label += f", deferred R = {row['record_len']}"
+    if row.get("acceptance", 1.0) < 1:
+        label += f", a = {row['acceptance']:g}"
+    return label
 
 
 def plot(rows, path):
@@ -362,15 +482,47 @@ def markdown_table(runs):
     batches = sorted({row["batch"] for row in rows})
     lines = [*headers, "", "| op | T | " + " | ".join(f"B = {b}" for b in batches) + " |",
              "|---|---|" + "---|" * len(batches)]
-    by_key = {(row["op"], row["spec_len"], row["batch"]): row for row in rows}
-    for op, T in dict.fromkeys((row["op"], row["spec_len"]) for row in rows):
-        cells = [_cell(by_key[op, T, b]) if (op, T, b) in by_key else "" for b in batches]
-        lines.append(f"| {op} | {T} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    by_key = {(_label(row), row["spec_len"], row["batch"]): row for row in rows}
+    for label, T in dict.fromkeys((_label(row), row["spec_len"]) for row in rows):
+        cells = [_cell(by_key[label, T, b]) if (label, T, b) in by_key else "" for b in batches]
+        lines.append(f"| {label} | {T} | " + " | ".join(cells) + " |")
+    memory = _record_memory_lines(runs)
+    return "\n".join(lines + ([""] + memory if memory else []))
+
+
+def _record_memory_lines(runs):
+    """Per request and layer, for each (T, R) of a deferred row: the records'
+    bytes next to one state's and to the T states that speculative decoding
+    without records keeps."""
+    lines = []
+    for run in runs:
+        shape = Shape(0, 0, **{name: value for name, value in run.get("shape", {}).items()
+                               if name in ("heads", "key_dim", "value_dim")})
+        for T, R in dict.fromkeys((row["spec_len"], row["record_len"]) for row in run["rows"]
+                                  if row.get("record_len") is not None):
+            records = R * record_bytes(shape)
+            state = _state_block_bytes(shape)
+            lines.append(f"- T = {T}, R = {R}: records {records / 1024:.0f} KiB per request and "
+                         f"layer, {records / state:.2f}x one state ({state / 1024:.0f} KiB); "
+                         f"T full states: {T}x")
+    return lines
 
 
 def _int_list(text):
     return [positive_int(item) for item in text.split(",")]
+
+
+def _probability_list(text):
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = None
+        if value is None or not 0 <= value <= 1:
+            raise argparse.ArgumentTypeError(f"expected probabilities in [0, 1], got {item!r}")
+        values.append(value)
+    return values
 
 
 def _op_list(text):
@@ -404,6 +556,14 @@ def main(argv=None):
                         help="comma-separated numbers of requests (default: %(default)s)")
     parser.add_argument("--spec-lens", type=_int_list, default="2,4,8",
                         help="comma-separated window lengths T (default: %(default)s)")
+    parser.add_argument("--record-lens", type=_int_list, default=[],
+                        help="comma-separated record positions R > T: verify_commit, step and "
+                             "step_compiled also run the deferred schedule with each "
+                             "(default: none)")
+    parser.add_argument("--acceptance", type=_probability_list, default=[1.0],
+                        help="comma-separated probabilities that each draft token is accepted, "
+                             "for verify_commit, step and step_compiled (default: 1, every "
+                             "token)")
     parser.add_argument("--layers", type=positive_int, default=16,
                         help="layers for the ops that run every layer (commit, commit_align, "
                              "verify_commit, step, step_compiled) (default: %(default)s)")
@@ -427,13 +587,15 @@ def main(argv=None):
     import triton
     device = torch.device("cuda")
     torch.manual_seed(0)
-    copy_bw, rows = run(opts.ops, opts.batches, opts.spec_lens, opts.layers, device)
+    copy_bw, rows = run(opts.ops, opts.batches, opts.spec_lens, opts.layers, device,
+                        opts.record_lens, opts.acceptance)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, copy_bandwidth_gbs=copy_bw / 1e9)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {meta['gpu']} "
           f"(torch {meta['torch']}, triton {meta['triton']})")
     shape = {name: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
-             for name, value in dataclasses.asdict(Shape(0, 0)).items()}
+             for name, value in dataclasses.asdict(Shape(0, 0)).items()
+             if name not in ("record_len", "acceptance")}  # per row
     saved = dict(meta=meta, rows=rows, shape=shape)
     with open(opts.json, "w") as f:
         json.dump(saved, f, indent=1)

@@ -102,11 +102,62 @@ def test_step_bytes(state_dtype):
     assert bench.step_bytes(shape, accepted=1) == fewer
 
 
+def test_schedule_bytes_follow_the_pending_records():
+    """T = 3, R = 7, every token accepted, nothing pending at first: commits
+    alternate between leaving 3 tokens pending and folding 6, so a call moves
+    on average one window, the history, 1.5 pending records read by verify,
+    and half a fold (state read and written, 6 records read)."""
+    shape = bench.Shape(batch=1, spec_len=3, layers=2, heads=2, key_dim=8, value_dim=8,
+                        record_len=7)
+    one_layer = (bench.verify_bytes(shape) + 2 * bench._conv_history_bytes(shape)
+                 + 1.5 * bench.record_bytes(shape)
+                 + (2 * bench._state_block_bytes(shape) + 6 * bench.record_bytes(shape)) / 2)
+    assert bench.schedule_bytes(shape, [[3]], 1, [[0]], with_conv=False) == 2 * one_layer
+    immediate = dataclasses.replace(shape, record_len=None)
+    assert bench.schedule_bytes(immediate, [[3]], 1, None, with_conv=True) == bench.step_bytes(
+        dataclasses.replace(shape, record_len=None))
+
+
+@pytest.mark.parametrize("acceptance, expected", [(0.0, {1}), (1.0, {4}), (0.7, {1, 2, 3, 4})])
+def test_accepted_draws(acceptance, expected):
+    """1 + the leading accepted drafts of T - 1 = 3."""
+    shape = bench.Shape(batch=50, spec_len=4, acceptance=acceptance)
+    draws = bench.accepted_draws(shape, 20)
+    assert len(draws) == 20 and all(len(draw) == 50 for draw in draws)
+    assert {c for draw in draws for c in draw} == expected
+
+
+@pytest.mark.parametrize("op", ["verify_commit", "step"])
+def test_deferred_setups_run_the_schedule(op, monkeypatch):
+    """With R > T the setups run the deferred schedule (the pending counts
+    move), with acceptance < 1 over several draws per index set."""
+    import kda_ops.api
+
+    shape = dataclasses.replace(SHAPE, record_len=7, acceptance=0.7)
+    counts = []
+    real_commit = kda_ops.api.commit
+
+    def commit(*args, **kwargs):
+        counts.append(kwargs["pending"].clone())
+        real_commit(*args, **kwargs)
+
+    monkeypatch.setattr(bench.kda_ops, "commit", commit)  # verify_commit calls this one,
+    monkeypatch.setattr(kda_ops.api, "commit", commit)  # the model this one
+    calls, moved = bench.SETUPS[op](shape, "cpu")
+    assert len(calls) > bench.DRAWS_PER_BLOCK
+    for call in calls[:3]:
+        call()
+    assert len(counts) == 3 and not all(torch.equal(counts[0], c) for c in counts[1:])
+    assert moved < expected_bytes(SHAPE, op)
+
+
 @pytest.mark.parametrize("argv, argument", [
     (["--ops", "verify,unknown"], "--ops"),
     (["--batches", "8,0"], "--batches"),
     (["--spec-lens", "4,x"], "--spec-lens"),
     (["--layers", "0"], "--layers"),
+    (["--acceptance", "1.5"], "--acceptance"),
+    (["--record-lens", "0"], "--record-lens"),
 ])
 def test_command_line_rejects_bad_values_naming_the_argument(argv, argument, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -52,7 +52,8 @@ def test_usage_names_the_module_to_run(module):
 
 @pytest.mark.parametrize("module, options", [
     ("kda_ops", ["--device", "--steps", "--batch", "--record-len"]),
-    ("kda_ops.bench", ["--ops", "--batches", "--spec-lens", "--layers", "--json", "--plot",
+    ("kda_ops.bench", ["--ops", "--batches", "--spec-lens", "--record-lens", "--acceptance",
+                       "--layers", "--json", "--plot",
                        "--table"]),
 ])
 def test_every_option_has_help(module, options):
