@@ -230,8 +230,7 @@ def test_model_schedules_agree_over_a_long_run(cache_layout):
     from kda_ops.models import KDADecodeStep, make_step_inputs
 
     T, R, layers = 3, 8, 2
-    # Interpreted, each step's conv_update kernels make 200 steps take over two
-    # minutes; the deferred ops take the PyTorch path either way.
+    # Interpreted, each step's kernels make 200 steps take minutes.
     steps = 25 if INTERPRET else 200
     kwargs = dict(num_layers=layers, num_heads=2, head_dim=8, spec_len=T, num_blocks=8,
                   cache_layout=cache_layout, lower_bound=-5.0)
