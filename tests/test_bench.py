@@ -214,6 +214,11 @@ def test_performance_doc_shows_the_saved_h200_runs():
     assert bench.markdown_table(runs) in (DOCS / "performance.md").read_text()
 
 
+def test_performance_doc_shows_the_saved_deferred_run():
+    saved = json.loads((DOCS / "bench_h100_deferred.json").read_text())
+    assert bench.markdown_table([saved]) in (DOCS / "performance.md").read_text()
+
+
 def test_plot_of_saved_runs(tmp_path):
     png = tmp_path / "saved.png"
     bench.main(["--table", *map(str, SAVED_H200_RUNS), "--plot", str(png)])
