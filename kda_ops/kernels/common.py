@@ -111,21 +111,15 @@ def pending_records(kg_head, stride_kg_tok, stride_kg_dim, pending, dt_bias, A, 
                     offs_k, mask_k, K: tl.constexpr, BR: tl.constexpr,
                     USE_LOWER_BOUND: tl.constexpr):
     """The first `pending` records of a (block, head) as `[BR, BK]` tiles: the
-    normalised keys (zero past `pending`), the decays (one past `pending`) and
-    the decays of the next record (row j: record j + 1's, one past `pending`)."""
+    normalised keys (zero past `pending`) and the decays (one past `pending`)."""
     records = tl.arange(0, BR)
     held = (records < pending)[:, None] & mask_k[None, :]
-    after = (records + 1 < pending)[:, None] & mask_k[None, :]
     rows = kg_head + records[:, None] * stride_kg_tok + offs_k[None, :] * stride_kg_dim
     keys = l2_normalize(tl.load(rows, mask=held, other=0.0).to(tl.float32), 1.0)
     gates = tl.load(rows + K * stride_kg_dim, mask=held, other=0.0).to(tl.float32)
-    next_gates = tl.load(rows + stride_kg_tok + K * stride_kg_dim, mask=after,
-                         other=0.0).to(tl.float32)
     decays = tl.where(held, tl.exp(kda_gate(gates, dt_bias[None, :], A, lower_bound,
                                             USE_LOWER_BOUND)), 1.0)
-    next_decays = tl.where(after, tl.exp(kda_gate(next_gates, dt_bias[None, :], A, lower_bound,
-                                                  USE_LOWER_BOUND)), 1.0)
-    return keys, decays, next_decays
+    return keys, decays
 
 
 @triton.jit

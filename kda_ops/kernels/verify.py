@@ -164,7 +164,7 @@ def _verify_kernel(
             coupling_at = coupling_ptr + head_row * BT
             tl.store(coupling_at + steps, tl.sum(keys * queries, axis=1))
             if DEFERRED:
-                pending_keys, pending_decays, _ = pending_records(
+                pending_keys, pending_decays = pending_records(
                     kg_head, stride_kg_tok, stride_kg_dim, first, dt_bias, A, lower_bound,
                     offs_k, mask_k, K, BR, USE_LOWER_BOUND)
                 pending_rows = pending_at + tl.arange(0, BR)[:, None] * (2 * BK) + offs_k[None, :]
