@@ -254,15 +254,16 @@ def _commit_buffers(shape, device, N):
 
 
 def _step_calls(shape, sets, device, step):
-    """The calls of a step benchmark, `step(index set, accepted)`, and their
-    bytes: one per index set, or with acceptance < 1 DRAWS_PER_BLOCK per set
-    (each with its own accepted counts, on the device before capture)."""
+    """(calls, accepted draws, index sets) of a step benchmark: call j runs
+    `step(index set j % sets, accepted counts j)`, one call per index set, or
+    with acceptance < 1 DRAWS_PER_BLOCK per set (the counts on the device
+    before capture)."""
     index_sets = _index_sets(sets, shape.batch, device)
-    calls = sets if shape.acceptance >= 1 else sets * DRAWS_PER_BLOCK
-    draws = accepted_draws(shape, calls)
+    count = sets if shape.acceptance >= 1 else sets * DRAWS_PER_BLOCK
+    draws = accepted_draws(shape, count)
     accepted = [torch.tensor(draw, device=device, dtype=torch.int32) for draw in draws]
-    return [lambda j=j: step(index_sets[j % sets], accepted[j]) for j in range(calls)], draws, \
-        index_sets
+    calls = [lambda j=j: step(index_sets[j % sets], accepted[j]) for j in range(count)]
+    return calls, draws, index_sets
 
 
 def _one_request(shape):
