@@ -7,7 +7,7 @@ import torch
 
 from kda_ops import naive
 
-from helpers import INTERPRET, query_start_loc
+from helpers import DEVICES, INTERPRET, query_start_loc
 
 H, K, V = 2, 8, 4
 
@@ -172,9 +172,10 @@ def deferred_problem(seed, *, stacked, align, T=3, R=7, N=24, L=2, D=12, W=4, bl
     return args, align_args
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("align", [False, True])
-def test_deferred_ops_match_the_reference(stacked, align):
+def test_deferred_ops_match_the_reference(stacked, align, device):
     """verify with pending records and the deferred commit, through the ops,
     against the float64 reference: outputs, records, states, conv history and
     pending counts."""
@@ -183,42 +184,46 @@ def test_deferred_ops_match_the_reference(stacked, align):
 
     T = 3
     a, align_args = deferred_problem(7 + 2 * stacked + align, stacked=stacked, align=align, T=T)
+    a = {name: t.to(device) for name, t in a.items()}
+    align_args = {name: t.to(device) if isinstance(t, torch.Tensor) else t
+                  for name, t in align_args.items()}
     layer = (lambda t: t[1]) if stacked else (lambda t: t)
     verify_args = (a["q"], a["k"], a["v"], a["g"], a["beta"], layer(a["A_log"]),
                    layer(a["dt_bias"]), layer(a["state"]), layer(a["correction"]),
                    layer(a["key_gate"]), a["query_start_loc"], a["state_indices"])
     expected_out, expected_corr, expected_kg = naive.verify(
-        *verify_args, lower_bound=-5.0, out=torch.zeros(a["v"].shape),
-        pending=layer(a["pending"]))
-    out = kda_ops.verify(*verify_args, lower_bound=-5.0, out=torch.zeros(a["v"].shape),
+        *(t.cpu() for t in verify_args), lower_bound=-5.0, out=torch.zeros(a["v"].shape),
+        pending=layer(a["pending"]).cpu())
+    out = kda_ops.verify(*verify_args, lower_bound=-5.0,
+                         out=torch.zeros(a["v"].shape, device=device),
                          pending=layer(a["pending"]), spec_len=T)
-    assert_rel_close(out, expected_out.float(), name="out")
-    assert_rel_close(layer(a["correction"]), expected_corr.float(), name="correction")
-    assert torch.equal(layer(a["key_gate"]), expected_kg)
+    assert_rel_close(out.cpu(), expected_out.float(), name="out")
+    assert_rel_close(layer(a["correction"]).cpu(), expected_corr.float(), name="correction")
+    assert torch.equal(layer(a["key_gate"]).cpu(), expected_kg)
 
     commit_kwargs = dict(state=a["state"], conv_state=a["conv_state"],
                          correction=a["correction"], key_gate=a["key_gate"], A_log=a["A_log"],
                          dt_bias=a["dt_bias"], lower_bound=-5.0, spec_len=T, **align_args)
+    on_cpu = lambda kwargs: {name: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
+                             for name, t in kwargs.items()}
     expected_state, expected_conv, expected_pending = naive.commit(
-        a["accepted"], a["state_indices"], a["query_start_loc"], pending=a["pending"],
-        **commit_kwargs)
+        a["accepted"].cpu(), a["state_indices"].cpu(), a["query_start_loc"].cpu(),
+        pending=a["pending"].cpu(), **on_cpu(commit_kwargs))
     pending = a["pending"].clone()
     kda_ops.commit(a["accepted"], a["state_indices"], a["query_start_loc"], pending=pending,
                    **commit_kwargs)
-    assert torch.equal(pending, expected_pending)
-    assert torch.equal(a["conv_state"], expected_conv)
-    assert_rel_close(a["state"], expected_state.float(), name="state")
+    assert torch.equal(pending.cpu(), expected_pending)
+    assert torch.equal(a["conv_state"].cpu(), expected_conv)
+    assert_rel_close(a["state"].cpu(), expected_state.float(), name="state")
     assert not torch.equal(pending, torch.zeros_like(pending)), "something must stay pending"
 
+    flush_kwargs = dict(state=a["state"], correction=a["correction"], key_gate=a["key_gate"],
+                        A_log=a["A_log"], dt_bias=a["dt_bias"], lower_bound=-5.0)
     expected_state, expected_pending = naive.flush(
-        a["state_indices"], state=a["state"], correction=a["correction"],
-        key_gate=a["key_gate"], pending=pending, A_log=a["A_log"], dt_bias=a["dt_bias"],
-        lower_bound=-5.0)
-    kda_ops.flush(a["state_indices"], state=a["state"], correction=a["correction"],
-                  key_gate=a["key_gate"], pending=pending, A_log=a["A_log"],
-                  dt_bias=a["dt_bias"], lower_bound=-5.0)
-    assert torch.equal(pending, expected_pending)
-    assert_rel_close(a["state"], expected_state.float(), name="flushed state")
+        a["state_indices"].cpu(), pending=pending.cpu(), **on_cpu(flush_kwargs))
+    kda_ops.flush(a["state_indices"], pending=pending, **flush_kwargs)
+    assert torch.equal(pending.cpu(), expected_pending)
+    assert_rel_close(a["state"].cpu(), expected_state.float(), name="flushed state")
 
 
 @pytest.mark.parametrize("cache_layout", ["stacked", "per_layer"])
@@ -314,3 +319,103 @@ def test_spec_len_misuse_names_the_argument(op):
     with pytest.raises(ValueError, match="`spec_len` must be the records' length 7 without"):
         call(spec_len=T)
     call(spec_len=R)  # the immediate schedule's T, spelled out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("align", [False, True])
+def test_deferred_ops_follow_the_reference_over_a_long_run(align, device):
+    """The ops (the Triton kernels on CUDA and under TRITON_INTERPRET=1, the
+    PyTorch path on CPU) against the float64 reference, step after step:
+    two stacked layers, ragged windows, acceptance 0 to L, a null row every
+    few steps, requests that finish (flushed) and new ones that join, and in
+    align mode windows crossing block boundaries. Outputs, pending counts and
+    the conv history every step; every state after each step and each flush."""
+    import kda_ops
+    from helpers import assert_rel_close
+
+    T, R, L, D, W, block_size, slots, columns = 3, 8, 2, 6, 3, 4, 3, 40
+    steps = 40 if INTERPRET else 200
+    gen = torch.Generator().manual_seed(31 + align)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    # Blocks 1..: a table row per request and join, so that every request owns its blocks.
+    joins = 2 + steps // 25
+    N = 1 + slots * joins * columns
+    A_log, dt_bias = rand(L, H) * 0.5, rand(L, H, K)
+    state = rand(L, N, H, V, K)
+    conv_state = rand(L, N, D, W - 1 + T - 1)
+    correction, key_gate = rand(L, N, H, R, V), rand(L, N, H, R, 2 * K)
+    pending = torch.zeros(L, N, dtype=torch.int32)
+    fresh_rows = iter((torch.arange(slots * joins * columns, dtype=torch.int32) + 1)
+                      .view(slots * joins, columns))
+    table = torch.stack([next(fresh_rows) for _ in range(slots)])
+    computed = torch.zeros(slots, dtype=torch.int32)
+    reference = dict(state=state.double(), conv_state=conv_state.clone(),
+                     correction=correction.double(), key_gate=key_gate.clone(),
+                     pending=pending.clone())
+    ours = {name: t.to(device) for name, t in
+            dict(state=state, conv_state=conv_state, correction=correction, key_gate=key_gate,
+                 pending=pending).items()}
+    A_dev, dt_dev = A_log.to(device), dt_bias.to(device)
+
+    def checkpoint_blocks():
+        if not align:
+            return table[:, 0].clone()
+        return torch.stack([table[b, max((int(computed[b]) - 1) // block_size, 0)]
+                            for b in range(slots)])
+
+    steps_left_pending = 0
+    for step in range(steps):
+        accepted, qsl, q, k, g, v, beta = random_step(gen, slots, T)
+        blocks = checkpoint_blocks()
+        if step % 7 == 3:
+            blocks[step % slots] = 0  # a padding row: zero outputs, nothing committed
+        for layer in range(L):
+            expected_out, corr_ref, kg_ref = naive.verify(
+                q, k, v, g, beta, A_log[layer], dt_bias[layer], reference["state"][layer],
+                reference["correction"][layer], reference["key_gate"][layer], qsl, blocks,
+                lower_bound=-5.0, out=torch.zeros(v.shape), pending=reference["pending"][layer],
+                spec_len=T)
+            reference["correction"][layer], reference["key_gate"][layer] = corr_ref, kg_ref
+            out = kda_ops.verify(
+                q.to(device), k.to(device), v.to(device), g.to(device), beta.to(device),
+                A_dev[layer], dt_dev[layer], ours["state"][layer], ours["correction"][layer],
+                ours["key_gate"][layer], qsl.to(device), blocks.to(device), lower_bound=-5.0,
+                out=torch.zeros(v.shape, device=device), pending=ours["pending"][layer],
+                spec_len=T)
+            assert_rel_close(out.cpu(), expected_out.float(), name=f"out, step {step}")
+        align_args = (dict(block_table=table, num_computed_tokens=computed,
+                           block_size=block_size) if align else {})
+        commit_args = dict(correction=reference["correction"], key_gate=reference["key_gate"],
+                           A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, spec_len=T)
+        reference["state"], reference["conv_state"], reference["pending"] = naive.commit(
+            accepted.int(), blocks, qsl, state=reference["state"],
+            conv_state=reference["conv_state"], pending=reference["pending"], **commit_args,
+            **align_args)
+        kda_ops.commit(accepted.int().to(device), blocks.to(device), qsl.to(device),
+                       state=ours["state"], conv_state=ours["conv_state"],
+                       correction=ours["correction"], key_gate=ours["key_gate"], A_log=A_dev,
+                       dt_bias=dt_dev, lower_bound=-5.0, pending=ours["pending"], spec_len=T,
+                       **{name: t.to(device) if isinstance(t, torch.Tensor) else t
+                          for name, t in align_args.items()})
+        steps_left_pending += int(reference["pending"].sum() > 0)
+        live = blocks > 0
+        computed += torch.where(live, torch.minimum(accepted, qsl[1:] - qsl[:-1]), 0).int()
+        if step % 25 == 24:  # a request finishes: flushed, then a new one takes its slot
+            slot = (step // 25) % slots
+            finished = checkpoint_blocks()[slot:slot + 1]
+            reference["state"], reference["pending"] = naive.flush(
+                finished, state=reference["state"], correction=reference["correction"],
+                key_gate=reference["key_gate"], pending=reference["pending"], A_log=A_log,
+                dt_bias=dt_bias, lower_bound=-5.0)
+            kda_ops.flush(finished.to(device), state=ours["state"],
+                          correction=ours["correction"], key_gate=ours["key_gate"],
+                          pending=ours["pending"], A_log=A_dev, dt_bias=dt_dev,
+                          lower_bound=-5.0)
+            assert int(ours["pending"][:, int(finished)].abs().sum()) == 0
+            table[slot] = next(fresh_rows)
+            computed[slot] = 0
+        assert torch.equal(ours["pending"].cpu(), reference["pending"]), f"step {step}"
+        assert torch.equal(ours["conv_state"].cpu(), reference["conv_state"]), f"step {step}"
+        assert_rel_close(ours["state"].cpu(), reference["state"].float(),
+                         name=f"state, step {step}")
+    assert steps_left_pending > steps // 2, "most commits must leave tokens pending"
