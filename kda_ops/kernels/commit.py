@@ -54,7 +54,7 @@ def _plan(b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, comp
         source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
         valid = block_is_valid(source, num_blocks)
         count = pending_count(layer_pending_ptr + tl.where(valid, source, 0) * stride_p_blk,
-                              valid, RECORDS, True)
+                              valid, RECORDS)
         zero = tl.zeros_like(source)
         return count, zero, zero, zero - 1, zero
     elif DEFERRED:

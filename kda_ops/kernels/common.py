@@ -96,13 +96,12 @@ def window_vectors(raw_k, raw_g, raw_q, dt_bias, A, lower_bound, scale,
 
 
 @triton.jit
-def pending_count(pending_at, valid, RECORDS: tl.constexpr, DEFERRED: tl.constexpr):
+def pending_count(pending_at, valid, RECORDS: tl.constexpr):
     """The records of a block not yet folded into its checkpoint (the count at
-    `pending_at`, read where `valid`), clamped to [0, RECORDS]; 0 in the
-    immediate schedule."""
-    count = tl.zeros_like(valid).to(tl.int64)
-    if DEFERRED:
-        count = tl.load(pending_at, mask=valid, other=0).to(tl.int64)
+    `pending_at`, read where `valid`), clamped to [0, RECORDS]. For plans
+    only: a kernel whose stores the count addresses loads it in its body
+    (see commit_plan_row)."""
+    count = tl.load(pending_at, mask=valid, other=0).to(tl.int64)
     return tl.minimum(tl.maximum(count, 0), RECORDS)
 
 
@@ -291,7 +290,7 @@ def deferred_plan_row(
     row_ok = (row >= 0) & (row < num_rows)
     row = tl.where(row_ok, row, 0)
     first = pending_count(pending_ptr + tl.where(valid, source, 0) * stride_pending, valid,
-                          RECORDS, True)
+                          RECORDS)
     accepted = tl.load(accepted_ptr + row * stride_accepted, mask=row_ok, other=0).to(tl.int64)
     ok = row_ok & valid
     accepted_now = tl.where(ok, tl.minimum(tl.minimum(tl.maximum(accepted, 0), window),

@@ -17,8 +17,8 @@ took 219 us against 375 us for one fused kernel.
 import triton
 import triton.language as tl
 
-from .common import (block_is_valid, link_tokens, live_range, load_window, pending_count,
-                     pending_terms, wait_for_previous_kernel, window_vectors)
+from .common import (block_is_valid, link_tokens, live_range, load_window, pending_terms,
+                     wait_for_previous_kernel, window_vectors)
 
 
 @triton.jit
@@ -56,7 +56,11 @@ def window_terms_kernel(
     block = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
     valid = block_is_valid(block, num_blocks)
     if valid:
-        first = pending_count(pending_ptr + block * stride_pending, valid, RECORDS, DEFERRED)
+        # Loaded here, not in a helper, as it addresses stores (see commit_plan_row).
+        first = tl.zeros_like(block)
+        if DEFERRED:
+            first = tl.load(pending_ptr + block * stride_pending).to(tl.int64)
+        first = tl.minimum(tl.maximum(first, 0), RECORDS)
         processed = tl.minimum(tl.minimum(tl.maximum(eos - bos, 0), SPEC_LEN), RECORDS - first)
         offs_k = tl.arange(0, BK)
         mask_k = offs_k < K
@@ -301,9 +305,13 @@ def tensor_core_verify_kernel(
     window = tl.maximum(eos - bos, 0)
     block = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
     valid = block_is_valid(block, num_blocks)
-    # The window is recorded after the block's pending records.
-    first = pending_count(pending_ptr + tl.where(valid, block, 0) * stride_pending, valid,
-                          RECORDS, DEFERRED)
+    # The window is recorded after the block's pending records. Their count is
+    # loaded here, not in a helper, as it addresses stores (see commit_plan_row).
+    first = tl.zeros_like(block)
+    if DEFERRED:
+        first = tl.load(pending_ptr + tl.where(valid, block, 0) * stride_pending, mask=valid,
+                        other=0).to(tl.int64)
+    first = tl.minimum(tl.maximum(first, 0), RECORDS)
     # Null rows, and tokens past T or past the records' room, get zero outputs.
     processed = tl.where(valid, tl.minimum(tl.minimum(window, SPEC_LEN), RECORDS - first), 0)
     offs_v = tile * BV + tl.arange(0, BV)
