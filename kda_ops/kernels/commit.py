@@ -58,7 +58,7 @@ def _plan(b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, comp
         zero = tl.zeros_like(source)
         return count, zero, zero, zero - 1, zero
     elif DEFERRED:
-        _, total, row, final_col, boundary_col, recovery, _, _ = deferred_plan_row(
+        _, total, row, final_col, boundary_col, recovery, _ = deferred_plan_row(
             b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
             stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
             stride_computed, layer_pending_ptr, stride_p_blk, num_rows, num_blocks, bt_cols,
@@ -194,7 +194,7 @@ def _commit_conv_kernel(
     layer = tl.program_id(2).to(tl.int64)  # as in _commit_state_kernel
 
     if DEFERRED:
-        commit, total, row, final_col, boundary_col, recovery, first, _ = deferred_plan_row(
+        commit, total, row, final_col, boundary_col, recovery, first = deferred_plan_row(
             b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
             stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
             stride_computed, pending_ptr + layer * stride_p_layer, stride_p_blk, num_rows,
@@ -275,7 +275,7 @@ def _pending_counts_kernel(
         if block_is_valid(source, num_blocks):
             tl.store(counts + source * stride_p_blk, 0)
     else:
-        _, total, row, final_col, boundary_col, _, _, _ = deferred_plan_row(
+        _, total, row, final_col, boundary_col, _, _ = deferred_plan_row(
             b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
             stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
             stride_computed, counts, stride_p_blk, num_rows, num_blocks, bt_cols, block_size,

@@ -275,7 +275,7 @@ def deferred_plan_row(
     of request `b` for the layer whose pending counts start at `pending_ptr`,
     up to the block-table lookups (see commit_plan_row for why they stay in the
     caller): (accepted c, total, row, final column, boundary column, recovery,
-    pending before, source), int64. Align mode plans from the checkpoint's
+    pending before), int64. Align mode plans from the checkpoint's
     position, `num_computed_tokens - pending` clamped at 0; the boundary column
     is -1 where the fold crosses no block boundary."""
     bos = tl.load(query_start_ptr + b * stride_query_start).to(tl.int64)
@@ -308,4 +308,4 @@ def deferred_plan_row(
         recovery = next_boundary - start
         boundary_col = tl.where(start + total >= next_boundary,
                                 tl.minimum(next_boundary // block_size - 1, bt_cols - 1), -1)
-    return accepted_now, total, row, final_col, boundary_col, recovery, first, source
+    return accepted_now, total, row, final_col, boundary_col, recovery, first
