@@ -97,13 +97,16 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     if pending is not None:
         S, _ = _fold_records(S, old_correction, old_key_gate, A_log, dt_bias, lower_bound, first)
     corrections, outputs = [], []
-    for t in range(capacity):
+    for t in range(spec_len):
         decayed = S * decay[:, t, :, None, :]
         u = (values[:, t] - torch.einsum("bhvk,bhk->bhv", decayed, kn[:, t])) * gain[:, t, :, None]
         updated = decayed + u[..., None] * kn[:, t, :, None, :]
         S = torch.where(live[:, t, None, None, None], updated, S)
         corrections.append(u)
         outputs.append(torch.einsum("bhvk,bhk->bhv", S, qn[:, t]))
+    # Positions past T are never live: nothing of theirs is recorded or output.
+    corrections += [torch.zeros_like(corrections[0])] * (capacity - spec_len)
+    outputs += [torch.zeros_like(outputs[0])] * (capacity - spec_len)
 
     # Window token t goes to record position first + t.
     slot_token = positions[None, :] - first[:, None]                          # [B, R]
@@ -136,32 +139,16 @@ def commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                 request_indices, block_table, num_computed_tokens, block_size):
     """docs/semantics.md#4-the-commit-plan, int64 tensors [B] each; see
     `kernels.common.commit_plan_row`."""
-    window = (query_start_loc[1:].long() - query_start_loc[:-1].long()).clamp(min=0)
-    batch = state_indices.shape[0]
-    row = (request_indices.long() if request_indices is not None
-           else torch.arange(batch, device=state_indices.device))
-    num_rows = num_accepted_tokens.shape[0]
-    if block_table is not None:
-        num_rows = min(num_rows, block_table.shape[0])
-    row_ok = (row >= 0) & (row < num_rows)
-    row = torch.where(row_ok, row, 0)
-    accepted = num_accepted_tokens.long()[row] if num_rows > 0 else torch.zeros_like(row)
+    window, row, row_ok, accepted = _request_rows(num_accepted_tokens, state_indices,
+                                                  query_start_loc, request_indices, block_table)
     commit = accepted.clamp(min=0).minimum(window).clamp(max=spec_len)
     source = state_indices.long()
     final = source
     boundary = torch.zeros_like(source)
     recovery = torch.zeros_like(source)
     if block_table is not None:
-        table = block_table.long()[row] if num_rows > 0 else source.new_zeros(batch, block_table.shape[1])
-        last_col = block_table.shape[1] - 1
-        computed = num_computed_tokens.long()[row].clamp(min=0) if num_rows > 0 else torch.zeros_like(row)
-        final_col = ((computed + commit - 1).clamp(min=0) // block_size).clamp(max=last_col)
-        final = table.gather(1, final_col[:, None])[:, 0]
-        next_boundary = (computed // block_size + 1) * block_size
-        recovery = next_boundary - computed
-        boundary_col = (next_boundary // block_size - 1).clamp(max=last_col)
-        crosses = computed + commit >= next_boundary
-        boundary = torch.where(crosses, table.gather(1, boundary_col[:, None])[:, 0], NULL_BLOCK)
+        table, computed = _table_rows(block_table, num_computed_tokens, row)
+        final, boundary, recovery, _ = _align_plan(table, computed, commit, block_size)
     null = (source <= NULL_BLOCK) | ~fits_int32(source) | (commit == 0) | ~row_ok
     zero = torch.zeros_like(source)
     # Blocks outside int32 (null for every cache) are planned as NULL_BLOCK, so
@@ -171,12 +158,63 @@ def commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
             torch.where(null, zero, recovery))
 
 
+def _request_rows(num_accepted_tokens, state_indices, query_start_loc, request_indices,
+                  block_table):
+    """Per request: its window length, its row of `num_accepted_tokens` and of
+    the block table (0 where outside them), whether that row exists, and its
+    raw accepted count (0 without a row), int64 / bool [B] each."""
+    batch = state_indices.shape[0]
+    window = (query_start_loc[1:].long() - query_start_loc[:-1].long()).clamp(min=0)
+    row = (request_indices.long() if request_indices is not None
+           else torch.arange(batch, device=state_indices.device))
+    num_rows = num_accepted_tokens.shape[0]
+    if block_table is not None:
+        num_rows = min(num_rows, block_table.shape[0])
+    row_ok = (row >= 0) & (row < num_rows)
+    row = torch.where(row_ok, row, 0)
+    accepted = num_accepted_tokens.long()[row] if num_rows > 0 else torch.zeros_like(row)
+    return window, row, row_ok, accepted
+
+
+def _table_rows(block_table, num_computed_tokens, row):
+    """Each request's block-table row `[B, columns]` and its computed tokens
+    (clamped at 0), for rows from `_request_rows`; zeros from an empty table."""
+    if block_table.shape[0] == 0:
+        return row.new_zeros(row.shape[0], block_table.shape[1]), torch.zeros_like(row)
+    return block_table.long()[row], num_computed_tokens.long()[row].clamp(min=0)
+
+
+def _align_plan(table, start, count, block_size):
+    """Align mode's plan of `count` tokens folded from token position `start`
+    (docs/semantics.md#4-the-commit-plan): final block, boundary block
+    (NULL_BLOCK where the fold crosses no block boundary), recovery (tokens
+    up to the next boundary) and whether it crosses, columns clamped to the
+    table width."""
+    last_col = table.shape[1] - 1
+    final_col = ((start + count - 1).clamp(min=0) // block_size).clamp(max=last_col)
+    next_boundary = (start // block_size + 1) * block_size
+    boundary_col = (next_boundary // block_size - 1).clamp(max=last_col)
+    crosses = start + count >= next_boundary
+    boundary = torch.where(crosses, table.gather(1, boundary_col[:, None])[:, 0], NULL_BLOCK)
+    return table.gather(1, final_col[:, None])[:, 0], boundary, next_boundary - start, crosses
+
+
 def fits_int32(index):
     return (index >= -2**31) & (index < 2**31)
 
 
 def _layered(t, stacked):
     return t if stacked else t.unsqueeze(0)
+
+
+def _history_after(rows, n, spec_len, history):
+    """The conv history after `n[b]` window tokens: columns n-1 .. n-1+history-1
+    of each request's window buffer `rows [..., B, D, W-1+T-1]`. `n` is clamped
+    to [1, T], so that rows whose value is discarded (no boundary, nothing
+    moved) still gather inside the window."""
+    first = n.clamp(min=1, max=spec_len) - 1
+    columns = first[:, None] + torch.arange(history, device=rows.device)     # [B, W-1]
+    return rows.gather(-1, columns[:, None, :].expand(rows.shape[:-1] + (history,)))
 
 
 def _write_rows(buffer, rows, ok, values):
@@ -222,20 +260,10 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_stat
 
     if conv_state is not None:
         conv = _layered(conv_state, dims.stacked)                             # [L, N, D, W-1+T-1]
-        history = torch.arange(dims.conv_history, device=conv.device)
         rows = conv[:, safe_source]                                           # [L, B, D, cols]
-
-        def history_after(n):
-            # Rows without a boundary carry a recovery length up to block_size:
-            # clamp so that their (discarded) gather stays inside the window.
-            first = n.clamp(min=1, max=dims.spec_len) - 1
-            cols = first[:, None] + history[None, :]                          # [B, W-1]
-            index = cols.view(1, -1, 1, dims.conv_history).expand(L, -1, dims.conv_dim, -1)
-            return rows.gather(3, index)
-
-        final_history = history_after(commit_len)
+        final_history = _history_after(rows, commit_len, dims.spec_len, dims.conv_history)
         if plan.align:
-            boundary_history = history_after(recovery)
+            boundary_history = _history_after(rows, recovery, dims.spec_len, dims.conv_history)
             _write_rows(conv[..., :dims.conv_history], boundary, boundary_ok, boundary_history)
         _write_rows(conv[..., :dims.conv_history], final, final_ok, final_history)
 
@@ -246,38 +274,20 @@ def deferred_plan(num_accepted_tokens, state_indices, query_start_loc, pending_r
     """docs/semantics.md#11-the-deferred-schedule per request, for one layer's
     pending counts `pending_rows [B]` (int64): (accepted c, total, fold_now,
     final, boundary, recovery from the checkpoint), int64 / bool [B] each."""
-    batch = state_indices.shape[0]
-    device = state_indices.device
-    window = (query_start_loc[1:].long() - query_start_loc[:-1].long()).clamp(min=0)
-    row = (request_indices.long() if request_indices is not None
-           else torch.arange(batch, device=device))
-    num_rows = num_accepted_tokens.shape[0]
-    if block_table is not None:
-        num_rows = min(num_rows, block_table.shape[0])
+    window, row, row_ok, accepted = _request_rows(num_accepted_tokens, state_indices,
+                                                  query_start_loc, request_indices, block_table)
     source = state_indices.long()
-    row_ok = (row >= 0) & (row < num_rows) & _valid_block(source, num_blocks)
-    row = torch.where(row_ok, row, 0)
-    accepted = num_accepted_tokens.long()[row] if num_rows > 0 else torch.zeros_like(row)
+    ok = row_ok & _valid_block(source, num_blocks)
     first = pending_rows.clamp(0, capacity)
-    c = torch.where(row_ok, accepted.clamp(min=0).minimum(window).minimum(capacity - first), 0)
-    total = torch.where(row_ok, first + c, 0)
+    c = torch.where(ok, accepted.clamp(min=0).minimum(window).minimum(capacity - first), 0)
+    total = torch.where(ok, first + c, 0)
     final, boundary = source, torch.zeros_like(source)
     recovery = torch.zeros_like(source)
-    crosses = torch.zeros_like(row_ok)
+    crosses = torch.zeros_like(ok)
     if block_table is not None:
-        table = (block_table.long()[row] if num_rows > 0
-                 else source.new_zeros(batch, block_table.shape[1]))
-        last_col = block_table.shape[1] - 1
-        computed = (num_computed_tokens.long()[row].clamp(min=0) if num_rows > 0
-                    else torch.zeros_like(row))
+        table, computed = _table_rows(block_table, num_computed_tokens, row)
         start = (computed - first).clamp(min=0)  # the checkpoint holds the tokens before it
-        final_col = ((start + total - 1).clamp(min=0) // block_size).clamp(max=last_col)
-        final = table.gather(1, final_col[:, None])[:, 0]
-        next_boundary = (start // block_size + 1) * block_size
-        recovery = next_boundary - start
-        crosses = start + total >= next_boundary
-        boundary_col = (next_boundary // block_size - 1).clamp(max=last_col)
-        boundary = torch.where(crosses, table.gather(1, boundary_col[:, None])[:, 0], NULL_BLOCK)
+        final, boundary, recovery, crosses = _align_plan(table, start, total, block_size)
     fold_now = (total > 0) & ((total + spec_len > capacity) | crosses | (final != source))
     return c, total, fold_now, final, boundary, recovery
 
@@ -317,18 +327,13 @@ def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, 
         _write_rows(layer_state, final, final_ok, S[None])
         if conv is not None:
             rows = conv[layer, safe_source]                                    # [B, D, cols]
-            columns = torch.arange(history, device=rows.device)
-
-            def history_after(n):
-                start = (n.clamp(min=1, max=spec_len) - 1)[:, None] + columns[None, :]
-                return rows.gather(2, start[:, None, :].expand(-1, dims.conv_dim, -1))
-
             layer_conv = conv[layer:layer + 1, ..., :history]
             destination = torch.where(fold_now, final, source)
             moved = (c > 0) & _valid_block(destination, dims.num_blocks)
             _write_rows(layer_conv, boundary, boundary_ok & (c > 0),
-                        history_after(recovery - first)[None])
-            _write_rows(layer_conv, destination, moved, history_after(c)[None])
+                        _history_after(rows, recovery - first, spec_len, history)[None])
+            _write_rows(layer_conv, destination, moved,
+                        _history_after(rows, c, spec_len, history)[None])
         # Pending counts last: every read of them above is done.
         layer_counts = counts[layer:layer + 1, :, None]
         deferred = (total > 0) & ~fold_now

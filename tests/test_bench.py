@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from kda_ops import bench
-from kda_ops.models import KDADecodeStep
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 SAVED_H200_RUNS = [DOCS / "bench_h200.json", DOCS / "bench_h200_step.json"]

@@ -7,7 +7,6 @@ import triton.language as tl
 
 import kda_ops
 from kda_ops import naive
-from kda_ops.kernels import dispatch
 from kda_ops.kernels.dispatch import kernel_choices, verify_config
 from kda_ops.kernels.verify_tensor_cores import split_tf32
 

@@ -106,6 +106,15 @@ def pending_count(pending_at, valid, RECORDS: tl.constexpr):
 
 
 @triton.jit
+def window_after_records(count, window, valid, SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr):
+    """(first record position, tokens processed) of a window recorded after
+    `count` pending records (clamped to [0, RECORDS]): at most T tokens and the
+    records' room; none in a null row, whose tokens get zero outputs."""
+    first = tl.minimum(tl.maximum(count, 0), RECORDS)
+    return first, tl.where(valid, tl.minimum(tl.minimum(window, SPEC_LEN), RECORDS - first), 0)
+
+
+@triton.jit
 def pending_records(kg_head, stride_kg_tok, stride_kg_dim, pending, dt_bias, A, lower_bound,
                     offs_k, mask_k, K: tl.constexpr, BR: tl.constexpr,
                     USE_LOWER_BOUND: tl.constexpr):
@@ -228,6 +237,29 @@ def commit_plan_row(
     metadata tensors as written (copied back as mutated inputs, and CUDA graphs
     skipped under reduce-overhead).
     """
+    window, row, row_ok, accepted = _request_row(
+        b, query_start_ptr, stride_query_start, request_ptr, stride_request, accepted_ptr,
+        stride_accepted, num_rows, HAS_REQUEST_INDICES)
+    commit = tl.minimum(tl.minimum(tl.maximum(accepted, 0), window), SPEC_LEN)
+    source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+    commit = tl.where((source <= NULL_BLOCK) | (fits_int32(source) == 0) | (row_ok == 0), 0,
+                      commit)
+    final_col = tl.zeros_like(row)
+    boundary_col = final_col - 1
+    recovery = tl.zeros_like(row)
+    if ALIGN:
+        computed = _computed_tokens(computed_ptr, row, row_ok, stride_computed)
+        final_col, boundary_col, recovery = _align_columns(computed, commit, block_size, bt_cols)
+        recovery = tl.where(commit > 0, recovery, 0)
+    return commit, row, final_col, boundary_col, recovery
+
+
+@triton.jit
+def _request_row(b, query_start_ptr, stride_query_start, request_ptr, stride_request,
+                 accepted_ptr, stride_accepted, num_rows, HAS_REQUEST_INDICES: tl.constexpr):
+    """Request `b`'s window length, its row of the accepted counts and block
+    table (0 where outside `[0, num_rows)`), whether that row exists, and its
+    raw accepted count (0 without a row), int64."""
     bos = tl.load(query_start_ptr + b * stride_query_start).to(tl.int64)
     eos = tl.load(query_start_ptr + (b + 1) * stride_query_start).to(tl.int64)
     window = tl.maximum(eos - bos, 0)
@@ -238,23 +270,28 @@ def commit_plan_row(
     row_ok = (row >= 0) & (row < num_rows)
     row = tl.where(row_ok, row, 0)
     accepted = tl.load(accepted_ptr + row * stride_accepted, mask=row_ok, other=0).to(tl.int64)
-    commit = tl.minimum(tl.minimum(tl.maximum(accepted, 0), window), SPEC_LEN)
-    source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
-    commit = tl.where((source <= NULL_BLOCK) | (fits_int32(source) == 0) | (row_ok == 0), 0,
-                      commit)
-    final_col = tl.zeros_like(row)
-    boundary_col = final_col - 1
-    recovery = tl.zeros_like(row)
-    if ALIGN:
-        # Masked: with no table rows even row 0 is outside `num_computed_tokens`.
-        computed = tl.maximum(tl.load(computed_ptr + row * stride_computed, mask=row_ok,
-                                      other=0).to(tl.int64), 0)
-        final_col = tl.minimum(tl.maximum(computed + commit - 1, 0) // block_size, bt_cols - 1)
-        next_boundary = (computed // block_size + 1) * block_size
-        recovery = tl.where(commit > 0, next_boundary - computed, 0)
-        boundary_col = tl.where((commit > 0) & (computed + commit >= next_boundary),
-                                tl.minimum(next_boundary // block_size - 1, bt_cols - 1), -1)
-    return commit, row, final_col, boundary_col, recovery
+    return window, row, row_ok, accepted
+
+
+@triton.jit
+def _computed_tokens(computed_ptr, row, row_ok, stride_computed):
+    """A row's `num_computed_tokens`, clamped at 0; masked, since with no table
+    rows even row 0 is outside the tensor."""
+    return tl.maximum(tl.load(computed_ptr + row * stride_computed, mask=row_ok,
+                              other=0).to(tl.int64), 0)
+
+
+@triton.jit
+def _align_columns(start, count, block_size, bt_cols):
+    """Align mode's plan of `count` tokens folded from token position `start`:
+    the final column, the boundary column (-1 where the fold crosses no block
+    boundary) and the recovery (tokens up to the next boundary), columns
+    clamped to the table width."""
+    final_col = tl.minimum(tl.maximum(start + count - 1, 0) // block_size, bt_cols - 1)
+    next_boundary = (start // block_size + 1) * block_size
+    boundary_col = tl.where(start + count >= next_boundary,
+                            tl.minimum(next_boundary // block_size - 1, bt_cols - 1), -1)
+    return final_col, boundary_col, next_boundary - start
 
 
 @triton.jit
@@ -278,20 +315,13 @@ def deferred_plan_row(
     pending before), int64. Align mode plans from the checkpoint's
     position, `num_computed_tokens - pending` clamped at 0; the boundary column
     is -1 where the fold crosses no block boundary."""
-    bos = tl.load(query_start_ptr + b * stride_query_start).to(tl.int64)
-    eos = tl.load(query_start_ptr + (b + 1) * stride_query_start).to(tl.int64)
-    window = tl.maximum(eos - bos, 0)
-    if HAS_REQUEST_INDICES:
-        row = tl.load(request_ptr + b * stride_request).to(tl.int64)
-    else:
-        row = b.to(tl.int64)
+    window, row, row_ok, accepted = _request_row(
+        b, query_start_ptr, stride_query_start, request_ptr, stride_request, accepted_ptr,
+        stride_accepted, num_rows, HAS_REQUEST_INDICES)
     source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
     valid = block_is_valid(source, num_blocks)
-    row_ok = (row >= 0) & (row < num_rows)
-    row = tl.where(row_ok, row, 0)
     first = pending_count(pending_ptr + tl.where(valid, source, 0) * stride_pending, valid,
                           RECORDS)
-    accepted = tl.load(accepted_ptr + row * stride_accepted, mask=row_ok, other=0).to(tl.int64)
     ok = row_ok & valid
     accepted_now = tl.where(ok, tl.minimum(tl.minimum(tl.maximum(accepted, 0), window),
                                            RECORDS - first), 0)
@@ -300,12 +330,8 @@ def deferred_plan_row(
     boundary_col = final_col - 1
     recovery = tl.zeros_like(row)
     if ALIGN:
-        computed = tl.maximum(tl.load(computed_ptr + row * stride_computed, mask=row_ok,
-                                      other=0).to(tl.int64), 0)
-        start = tl.maximum(computed - first, 0)  # the checkpoint holds the tokens before it
-        final_col = tl.minimum(tl.maximum(start + total - 1, 0) // block_size, bt_cols - 1)
-        next_boundary = (start // block_size + 1) * block_size
-        recovery = next_boundary - start
-        boundary_col = tl.where(start + total >= next_boundary,
-                                tl.minimum(next_boundary // block_size - 1, bt_cols - 1), -1)
+        # The checkpoint holds the tokens before `start`.
+        start = tl.maximum(_computed_tokens(computed_ptr, row, row_ok, stride_computed) - first,
+                           0)
+        final_col, boundary_col, recovery = _align_columns(start, total, block_size, bt_cols)
     return accepted_now, total, row, final_col, boundary_col, recovery, first

@@ -40,7 +40,7 @@ from torch.library import wrap_triton
 
 from .common import (block_is_valid, link_tokens, live_range, load_window, pending_records,
                      pending_terms, prefetch_state_rows, wait_for_previous_kernel,
-                     window_vectors)
+                     window_after_records, window_vectors)
 from .dispatch import WINDOW_TERMS_WARPS, dependent_launch, launch_options, verify_config
 from .verify_tensor_cores import tensor_core_tile, tensor_core_verify_kernel, window_terms_kernel
 
@@ -94,13 +94,11 @@ def _verify_kernel(
     valid = block_is_valid(block, num_blocks)
     # The window is recorded after the block's pending records. Their count is
     # loaded here, not in a helper, as it addresses stores (see commit_plan_row).
-    first = tl.zeros_like(block)
+    count = tl.zeros_like(block)
     if DEFERRED:
-        first = tl.load(pending_ptr + tl.where(valid, block, 0) * stride_pending, mask=valid,
+        count = tl.load(pending_ptr + tl.where(valid, block, 0) * stride_pending, mask=valid,
                         other=0).to(tl.int64)
-    first = tl.minimum(tl.maximum(first, 0), RECORDS)
-    # Null rows, and tokens past T or past the records' room, get zero outputs.
-    processed = tl.where(valid, tl.minimum(tl.minimum(window, SPEC_LEN), RECORDS - first), 0)
+    first, processed = window_after_records(count, window, valid, SPEC_LEN, RECORDS)
     if valid:
         # The first state tile is requested before phase 1, so that its latency
         # overlaps phase 1's loads and arithmetic.

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .common import (block_is_valid, link_tokens, live_range, load_window, pending_terms,
-                     wait_for_previous_kernel, window_vectors)
+                     wait_for_previous_kernel, window_after_records, window_vectors)
 
 
 @triton.jit
@@ -57,11 +57,11 @@ def window_terms_kernel(
     valid = block_is_valid(block, num_blocks)
     if valid:
         # Loaded here, not in a helper, as it addresses stores (see commit_plan_row).
-        first = tl.zeros_like(block)
+        count = tl.zeros_like(block)
         if DEFERRED:
-            first = tl.load(pending_ptr + block * stride_pending).to(tl.int64)
-        first = tl.minimum(tl.maximum(first, 0), RECORDS)
-        processed = tl.minimum(tl.minimum(tl.maximum(eos - bos, 0), SPEC_LEN), RECORDS - first)
+            count = tl.load(pending_ptr + block * stride_pending).to(tl.int64)
+        first, processed = window_after_records(count, tl.maximum(eos - bos, 0), valid,
+                                                SPEC_LEN, RECORDS)
         offs_k = tl.arange(0, BK)
         mask_k = offs_k < K
         steps = tl.arange(0, BT)
@@ -307,13 +307,11 @@ def tensor_core_verify_kernel(
     valid = block_is_valid(block, num_blocks)
     # The window is recorded after the block's pending records. Their count is
     # loaded here, not in a helper, as it addresses stores (see commit_plan_row).
-    first = tl.zeros_like(block)
+    count = tl.zeros_like(block)
     if DEFERRED:
-        first = tl.load(pending_ptr + tl.where(valid, block, 0) * stride_pending, mask=valid,
+        count = tl.load(pending_ptr + tl.where(valid, block, 0) * stride_pending, mask=valid,
                         other=0).to(tl.int64)
-    first = tl.minimum(tl.maximum(first, 0), RECORDS)
-    # Null rows, and tokens past T or past the records' room, get zero outputs.
-    processed = tl.where(valid, tl.minimum(tl.minimum(window, SPEC_LEN), RECORDS - first), 0)
+    first, processed = window_after_records(count, window, valid, SPEC_LEN, RECORDS)
     offs_v = tile * BV + tl.arange(0, BV)
     mask_v = offs_v < V
     if valid:
