@@ -255,6 +255,29 @@ def test_verify_with_pending_records(device, form, T, K, V, lower_bound, decay_s
                              pending=pending.to(device), spec_len=T)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form, T", [("closed_form", 4), ("token_loop", 5), ("tensor_cores", 6),
+                                     ("separate_terms", 8)])
+def test_verify_with_pending_records_never_reads_unrecorded_tokens(device, form, T):
+    """Window tokens that are not recorded (past the records' room, past T, in
+    null rows) may hold NaN: the recorded tokens of every window come out as
+    the reference gives them, finite. Rooms of 1, 2, T and 0 tokens."""
+    R = 2 * T + 3
+    lens = (T, T, T + 2, T, 3)
+    indices = (1, 2, 3, 0, 4)
+    with kernel_choices(verify_form=form):
+        args, buffers = make_problem(device, H=4, K=16, V=40, T=T, N=5, lens=lens,
+                                     indices=indices, seed=71 + T, records=R)
+        pending = torch.tensor([0, R - 1, R - 2, 3, R], dtype=torch.int32)
+        starts = args["query_start_loc"].cpu().tolist()
+        for b, block in enumerate(indices):
+            room = R - int(pending[block]) if block > 0 else 0
+            recorded = min(lens[b], T, room)
+            for name in ("q", "k", "v", "g", "beta"):
+                args[name][starts[b] + recorded:starts[b + 1]] = float("nan")
+        check_against_oracle(args, buffers, None, pending=pending.to(device), spec_len=T)
+
+
 def test_verify_tensor_cores_threshold():
     """The tensor-core forms by window length and (request, head) pairs: in one
     kernel at T = 5..8 from 256 pairs (below, four token-loop programs per head
