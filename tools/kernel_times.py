@@ -23,9 +23,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import kda_ops
+from kda_ops import bench
 from kda_ops.kernels.dispatch import VERIFY_FORMS, kernel_choices
 
-HEADS, KEY_DIM, VALUE_DIM = 32, 128, 128
 CALLS = 40
 
 
@@ -46,27 +46,23 @@ def kernel_times(fn, calls=CALLS):
 
 
 def setup(batch, spec_len, layers, records, pending_count, accepted_count, sets, device="cuda"):
-    """(verify, commit) closures over buffers of `sets * batch` blocks; the deferred
-    schedule where `records` > `spec_len`, every block holding `pending_count`."""
-    H, K, V, T = HEADS, KEY_DIM, VALUE_DIM, spec_len
+    """(verify, commit) closures over the benchmark's buffers (bench._commit_buffers,
+    bench._token_inputs) of `sets * batch` blocks; the deferred schedule where
+    `records` > `spec_len`, every block holding `pending_count`."""
+    T = spec_len
+    shape = bench.Shape(batch=batch, spec_len=T, layers=layers,
+                        record_len=records if records > T else None)
     N = sets * batch + 1
-    act = torch.bfloat16
-    state = torch.randn(layers, N, H, V, K, device=device)
-    correction = torch.randn(layers, N, H, records, V, device=device)
-    key_gate = torch.randn(layers, N, H, records, 2 * K, device=device, dtype=act)
-    A_log = torch.randn(layers, H, device=device) * 0.5
-    dt_bias = torch.randn(layers, H, K, device=device)
-    q, k, g = (torch.randn(batch * T, H, K, device=device, dtype=act) for _ in range(3))
-    v = torch.randn(batch * T, H, V, device=device, dtype=act)
-    beta = torch.randn(batch * T, H, device=device, dtype=act)
-    starts = torch.arange(batch + 1, device=device, dtype=torch.int32) * T
-    index_sets = [(torch.randperm(sets * batch, device=device)[:batch] + 1).int()
-                  for _ in range(sets)]
+    bufs = bench._commit_buffers(shape, device, N)
+    del bufs["conv_state"]  # the state kernels only
+    q, k, g, v, beta = bench._token_inputs(shape, device)
+    starts = bench._window_starts(shape, device)
+    index_sets = bench._index_sets(sets, batch, device)
     accepted = torch.full((batch,), accepted_count, device=device, dtype=torch.int32)
     out = torch.empty_like(v)
-    deferred = records > T
-    pending = (torch.full((layers, N), pending_count, device=device, dtype=torch.int32)
-               if deferred else None)
+    deferred = shape.record_len is not None
+    if deferred:
+        bufs["pending"].fill_(pending_count)
     turn = [0]
 
     def next_indices():
@@ -74,18 +70,15 @@ def setup(batch, spec_len, layers, records, pending_count, accepted_count, sets,
         return index_sets[turn[0] % sets]
 
     def verify():
-        schedule = dict(pending=pending[0], spec_len=T) if deferred else {}
-        kda_ops.verify(q, k, v, g, beta, A_log[0], dt_bias[0], state[0], correction[0],
-                       key_gate[0], starts, next_indices(), lower_bound=-5.0, out=out,
-                       **schedule)
+        schedule = dict(pending=bufs["pending"][0], spec_len=T) if deferred else {}
+        kda_ops.verify(q, k, v, g, beta, bufs["A_log"][0], bufs["dt_bias"][0], bufs["state"][0],
+                       bufs["correction"][0], bufs["key_gate"][0], starts, next_indices(),
+                       lower_bound=-5.0, out=out, **schedule)
 
     def commit():
-        schedule = dict(pending=pending, spec_len=T) if deferred else {}
-        kda_ops.commit(accepted, next_indices(), starts, state=state, correction=correction,
-                       key_gate=key_gate, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
-                       **schedule)
+        kda_ops.commit(accepted, next_indices(), starts, lower_bound=-5.0, **bufs)
         if deferred:
-            pending.fill_(pending_count)
+            bufs["pending"].fill_(pending_count)
 
     return verify, commit
 
