@@ -143,8 +143,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     H, K = 32, 128
     V = K
-    # Plain launches, as from B = dispatch.PROGRAMMATIC_LAUNCH_BELOW_BATCH.
-    pdl = False
+    # Launched as on sm_90 (dispatch.dependent_launch): programmatically below
+    # dispatch.PROGRAMMATIC_LAUNCH_BELOW_BATCH requests, with verify's L2 prefetch.
+    pdl = args.batch < dispatch.PROGRAMMATIC_LAUNCH_BELOW_BATCH
     with dispatch.kernel_choices(verify_form=args.verify_form):
         for T in (int(t) for t in args.spec_lens.split(",")):
             config = dispatch.verify_config(K, V, args.batch * H, T)

@@ -4,11 +4,15 @@ linking, the deferred schedule's pending records, and the commit plans. The laun
 
 import triton
 import triton.language as tl
+from triton import knobs
 
 from ..constants import NULL_BLOCK as NULL_BLOCK_INDEX
 
-# A constexpr, because @triton.jit code may read no other kind of global.
+# Constexprs, because @triton.jit code may read no other kind of global.
 NULL_BLOCK = tl.constexpr(NULL_BLOCK_INDEX)
+# Whether the kernels run in Triton's CPU interpreter, read as triton.jit reads
+# it when it wraps them: there no inline PTX runs.
+INTERPRETED = tl.constexpr(knobs.runtime.interpret)
 
 
 @triton.jit
@@ -30,27 +34,34 @@ def prefetch_to_l2(ptrs):
     each must address memory of a kernel argument): a hint that returns no
     data and holds no register, so a program can start a tile's DRAM traffic
     before it can use the tile. The L2 is where global memory is coherent, so
-    a later load can never read stale data through it. Inline PTX: GPU only
-    (Triton's interpreter runs none; only programmatic launches call this)."""
-    # No backslash anywhere in a kernel's source: Inductor copies it into a
-    # string literal, where an escape such as a newline broke the module.
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                              [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+    a later load can never read stale data through it. Inline PTX: nothing
+    in Triton's interpreter."""
+    if not INTERPRETED:
+        # No backslash anywhere in a kernel's source: Inductor copies it into a
+        # string literal, where an escape such as a newline broke the module.
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def prefetch_state_rows(head_base, stride_s_blk, index_at, num_blocks, rows, stride_s_v,
-                        stride_s_k, K: tl.constexpr, BK: tl.constexpr):
-    """Before wait_for_previous_kernel: asks the L2 for `rows` (in range) of the
-    state block whose index is at `index_at`. A kernel before this one may be
-    writing that index: a stale value costs a prefetch of the wrong lines,
-    never a wrong value, and clamped into [0, num_blocks) it stays inside the
-    state."""
+def prefetch_block_rows(head_base, stride_blk, index_at, num_blocks, rows, stride_row, lines):
+    """Before wait_for_previous_kernel: asks the L2 for `rows` of the block whose
+    index is at `index_at`, each row's lines at element offsets `lines` (one
+    per 128 bytes). A kernel before this one may be writing that index: a
+    stale value costs a prefetch of the wrong lines, never a wrong value, and
+    clamped into [0, num_blocks) it stays inside the buffer."""
     if num_blocks > 0:
         block = tl.minimum(tl.maximum(tl.load(index_at).to(tl.int64), 0), num_blocks - 1)
-        keys = tl.minimum(tl.arange(0, (BK + 31) // 32) * 32, K - 1)  # a 128-byte line each
-        prefetch_to_l2(head_base + block * stride_s_blk + rows[:, None] * stride_s_v
-                       + keys[None, :] * stride_s_k)
+        prefetch_to_l2(head_base + block * stride_blk + rows[:, None] * stride_row
+                       + lines[None, :])
+
+
+@triton.jit
+def line_starts(first, size, stride, BLOCK: tl.constexpr):
+    """Offsets of the 32-element lines of elements [first, first + BLOCK) of a
+    `size`-element row, kept inside the row (a line is 128 bytes in fp32; in
+    16-bit types every line is asked for twice)."""
+    return tl.minimum(first + tl.arange(0, (BLOCK + 31) // 32) * 32, size - 1) * stride
 
 
 @triton.jit
@@ -69,17 +80,23 @@ def l2_normalize(x, scale):
 
 
 @triton.jit
-def load_window(k_ptr, g_ptr, q_ptr, tokens, h, offs_k, tile_mask, stride_k_tok, stride_k_head,
-                stride_k_dim, stride_g_tok, stride_g_head, stride_g_dim, stride_q_tok,
-                stride_q_head, stride_q_dim):
+def load_window(k_ptr, g_ptr, q_ptr, tokens, h, offs_k, load_mask, tile_mask, stride_k_tok,
+                stride_k_head, stride_k_dim, stride_g_tok, stride_g_head, stride_g_dim,
+                stride_q_tok, stride_q_head, stride_q_dim, CUT: tl.constexpr):
     """A window's raw key, gate and query tiles `[BT, BK]` (row t: token
-    `tokens[t]`, zero outside `tile_mask`)."""
+    `tokens[t]`, zero outside `tile_mask`). With CUT, the loads read
+    `load_mask`, which holds `tile_mask` and does not wait on what it waits
+    on (the deferred schedule's pending count), and the rest is zeroed after."""
     raw_k = tl.load(k_ptr + tokens * stride_k_tok + h * stride_k_head
-                    + offs_k[None, :] * stride_k_dim, mask=tile_mask, other=0.0)
+                    + offs_k[None, :] * stride_k_dim, mask=load_mask, other=0.0)
     raw_g = tl.load(g_ptr + tokens * stride_g_tok + h * stride_g_head
-                    + offs_k[None, :] * stride_g_dim, mask=tile_mask, other=0.0)
+                    + offs_k[None, :] * stride_g_dim, mask=load_mask, other=0.0)
     raw_q = tl.load(q_ptr + tokens * stride_q_tok + h * stride_q_head
-                    + offs_k[None, :] * stride_q_dim, mask=tile_mask, other=0.0)
+                    + offs_k[None, :] * stride_q_dim, mask=load_mask, other=0.0)
+    if CUT:  # tokens past the records' room may hold anything, NaN included
+        raw_k = tl.where(tile_mask, raw_k, 0.0)
+        raw_g = tl.where(tile_mask, raw_g, 0.0)
+        raw_q = tl.where(tile_mask, raw_q, 0.0)
     return raw_k, raw_g, raw_q
 
 
@@ -131,9 +148,18 @@ def pending_records(kg_head, stride_kg_tok, stride_kg_dim, pending, dt_bias, A, 
 
 
 @triton.jit
+def _record(kg_head, j, stride_kg_tok, stride_kg_dim, offs_k, K: tl.constexpr):
+    """Record j's raw key and gate (zero for j < 0)."""
+    live = live_range(offs_k, K, j >= 0)
+    row = kg_head + tl.maximum(j, 0) * stride_kg_tok + offs_k * stride_kg_dim
+    return (tl.load(row, mask=live, other=0.0),
+            tl.load(row + K * stride_kg_dim, mask=live, other=0.0))
+
+
+@triton.jit
 def pending_terms(key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, pending,
                   dt_bias, A, lower_bound, offs_k, mask_k, coef_at, K: tl.constexpr,
-                  USE_LOWER_BOUND: tl.constexpr):
+                  BK: tl.constexpr, BR: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
     """The checkpoint terms of a window (rows t of `[BT, BK]` tiles: E_t k_t
     and E_t q_t) moved onto a checkpoint with `pending` records not yet folded
     in. With the records' normalised keys k_j, decays d_j and corrections u_j,
@@ -144,15 +170,21 @@ def pending_terms(key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_
     terms as it goes (the decays multiplied in one by one, as the commit
     folds); stores c_j of token t's key term at `coef_at + j * 2 BT + t` and of
     its query term at `+ BT + t` for j < pending (readers mask the rest) and
-    returns the terms times D."""
+    returns the terms times D. The records' lines are asked of the L2 first
+    and each record is loaded one step ahead, so a record's latency overlaps
+    the step before instead of adding to it."""
     BT: tl.constexpr = key_terms.shape[0]
+    if pending > 0:  # the later records' loads then find their lines in the L2
+        records = tl.minimum(tl.arange(0, BR), pending - 1)
+        prefetch_to_l2(kg_head + records[:, None] * stride_kg_tok
+                       + line_starts(0, 2 * K, stride_kg_dim, 2 * BK)[None, :])
+    raw_key, raw_gate = _record(kg_head, pending - 1, stride_kg_tok, stride_kg_dim, offs_k, K)
     for i in range(0, pending):
         j = pending - 1 - i
-        row = kg_head + j * stride_kg_tok + offs_k * stride_kg_dim
-        key = l2_normalize(tl.load(row, mask=mask_k, other=0.0).to(tl.float32), 1.0)
-        gate = tl.load(row + K * stride_kg_dim, mask=mask_k, other=0.0).to(tl.float32)
-        decay = tl.where(mask_k, tl.exp(kda_gate(gate, dt_bias, A, lower_bound,
-                                                 USE_LOWER_BOUND)), 1.0)
+        key = l2_normalize(raw_key.to(tl.float32), 1.0)
+        decay = tl.where(mask_k, tl.exp(kda_gate(raw_gate.to(tl.float32), dt_bias, A,
+                                                 lower_bound, USE_LOWER_BOUND)), 1.0)
+        raw_key, raw_gate = _record(kg_head, j - 1, stride_kg_tok, stride_kg_dim, offs_k, K)
         coef_row = coef_at + j * (2 * BT) + steps
         tl.store(coef_row, tl.sum(key_terms * key[None, :], axis=1))
         tl.store(coef_row + BT, tl.sum(query_terms * key[None, :], axis=1))

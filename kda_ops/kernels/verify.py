@@ -38,9 +38,9 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import (block_is_valid, link_tokens, live_range, load_window, pending_records,
-                     pending_terms, prefetch_state_rows, wait_for_previous_kernel,
-                     window_after_records, window_vectors)
+from .common import (block_is_valid, line_starts, link_tokens, live_range, load_window,
+                     pending_records, pending_terms, prefetch_block_rows,
+                     wait_for_previous_kernel, window_after_records, window_vectors)
 from .dispatch import WINDOW_TERMS_WARPS, dependent_launch, launch_options, verify_config
 from .verify_tensor_cores import tensor_core_tile, tensor_core_verify_kernel, window_terms_kernel
 
@@ -74,10 +74,19 @@ def _verify_kernel(
     b = tl.program_id(1)
     h = tl.program_id(2)
     if PREFETCH_STATE:
-        prefetch_state_rows(state_ptr + h * stride_s_head, stride_s_blk,
-                            state_indices_ptr + b * stride_state_indices, num_blocks,
-                            tl.minimum(first_tile * BV + tl.arange(0, V_TILES * BV), V - 1),
-                            stride_s_v, stride_s_k, K, BK)
+        index_at = state_indices_ptr + b * stride_state_indices
+        tile_rows = tl.minimum(first_tile * BV + tl.arange(0, V_TILES * BV), V - 1)
+        prefetch_block_rows(state_ptr + h * stride_s_head, stride_s_blk, index_at, num_blocks,
+                            tile_rows, stride_s_v, line_starts(0, K, stride_s_k, BK))
+        if DEFERRED:
+            # Every record position: the pending count is not known before the wait.
+            positions = tl.minimum(tl.arange(0, BR), RECORDS - 1)
+            prefetch_block_rows(key_gate_ptr + h * stride_kg_head, stride_kg_blk, index_at,
+                                num_blocks, positions, stride_kg_tok,
+                                line_starts(0, 2 * K, stride_kg_dim, 2 * BK))
+            prefetch_block_rows(correction_ptr + h * stride_c_head, stride_c_blk, index_at,
+                                num_blocks, positions, stride_c_tok,
+                                line_starts(first_tile * BV, V, stride_c_dim, V_TILES * BV))
     wait_for_previous_kernel(PDL)
     # Inductor passes Python floats as fp64 scalars; the arithmetic is fp32.
     lower_bound = tl.cast(lower_bound, tl.float32)
@@ -123,10 +132,11 @@ def _verify_kernel(
         steps = tl.arange(0, BT)
         tokens = bos + steps[:, None]
         tile_mask = (steps < processed)[:, None] & mask_k[None, :]
+        load_mask = (steps < tl.minimum(window, SPEC_LEN))[:, None] & mask_k[None, :]
         raw_k, raw_g, raw_q = load_window(
-            k_ptr, g_ptr, q_ptr, tokens, h, offs_k, tile_mask, stride_k_tok, stride_k_head,
-            stride_k_dim, stride_g_tok, stride_g_head, stride_g_dim, stride_q_tok,
-            stride_q_head, stride_q_dim)
+            k_ptr, g_ptr, q_ptr, tokens, h, offs_k, load_mask, tile_mask, stride_k_tok,
+            stride_k_head, stride_k_dim, stride_g_tok, stride_g_head, stride_g_dim,
+            stride_q_tok, stride_q_head, stride_q_dim, DEFERRED)
         keys, queries, decays = window_vectors(raw_k, raw_g, raw_q, dt_bias, A, lower_bound,
                                                scale, USE_LOWER_BOUND)
         head_row = (b * tl.num_programs(2) + h).to(tl.int64)  # workspace rows: int64 offsets
@@ -150,7 +160,7 @@ def _verify_kernel(
             if DEFERRED:
                 key_terms, query_terms = pending_terms(
                     key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
-                    dt_bias, A, lower_bound, offs_k, mask_k, pending_at, K, USE_LOWER_BOUND)
+                    dt_bias, A, lower_bound, offs_k, mask_k, pending_at, K, BK, BR, USE_LOWER_BOUND)
             tl.store(vec_tile, key_terms)
             tl.store(vec_tile + BK, query_terms)
             tl.store(vec_tile + 2 * BK, keys)
@@ -223,7 +233,7 @@ def _verify_kernel(
                 term_cols = vec_base + (cols % BT) * (5 * BK) + (cols // BT) * BK
                 outs, corrections = tensor_core_tile(
                     state_head, term_cols, outs, corrections, processed, steps, coupling_at,
-                    v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
+                    v_rows, tile, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
                     stride_beta_tok, first, corr_head, pending_at, stride_c_tok, stride_c_dim,
                     K, V, BK, BV, BT, NP, SPEC_LEN, BR, DEFERRED, KEY_CHUNK, STAGES,
                     CHEAP_SPLIT=False)

@@ -17,8 +17,9 @@ took 219 us against 375 us for one fused kernel.
 import triton
 import triton.language as tl
 
-from .common import (block_is_valid, link_tokens, live_range, load_window, pending_terms,
-                     wait_for_previous_kernel, window_after_records, window_vectors)
+from .common import (block_is_valid, line_starts, link_tokens, live_range, load_window,
+                     pending_terms, prefetch_to_l2, wait_for_previous_kernel,
+                     window_after_records, window_vectors)
 
 
 @triton.jit
@@ -67,10 +68,11 @@ def window_terms_kernel(
         steps = tl.arange(0, BT)
         tokens = bos + steps[:, None]
         tile_mask = (steps < processed)[:, None] & mask_k[None, :]
+        load_mask = (steps < tl.minimum(eos - bos, SPEC_LEN))[:, None] & mask_k[None, :]
         raw_k, raw_g, raw_q = load_window(
-            k_ptr, g_ptr, q_ptr, tokens, h, offs_k, tile_mask, stride_k_tok, stride_k_head,
-            stride_k_dim, stride_g_tok, stride_g_head, stride_g_dim, stride_q_tok,
-            stride_q_head, stride_q_dim)
+            k_ptr, g_ptr, q_ptr, tokens, h, offs_k, load_mask, tile_mask, stride_k_tok,
+            stride_k_head, stride_k_dim, stride_g_tok, stride_g_head, stride_g_dim,
+            stride_q_tok, stride_q_head, stride_q_dim, DEFERRED)
         # The records first: the raw tiles are then dead, which frees registers
         # (168 against 255 at T = 8, Triton 3.6).
         kg_head = key_gate_ptr + block * stride_kg_blk + h * stride_kg_head
@@ -92,7 +94,7 @@ def window_terms_kernel(
             key_terms, query_terms = pending_terms(
                 key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
                 dt_bias, A, lower_bound, offs_k, mask_k,
-                pending_terms_ptr + head_row * (BR * 2 * BT), K, USE_LOWER_BOUND)
+                pending_terms_ptr + head_row * (BR * 2 * BT), K, BK, BR, USE_LOWER_BOUND)
         terms_tile = terms_ptr + head_row * (2 * BT * BK) + steps[:, None] * BK + offs_k[None, :]
         tl.store(terms_tile, key_terms)
         tl.store(terms_tile + BT * BK, query_terms)
@@ -162,7 +164,7 @@ def _link_matrices(key_coupling, query_coupling, gains, steps, SPEC_LEN: tl.cons
 
 @triton.jit
 def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps, coupling_at,
-                     v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
+                     v_rows, tile, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
                      stride_beta_tok, pending, corr_head, pending_at, stride_c_tok,
                      stride_c_dim, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
@@ -176,9 +178,9 @@ def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps,
     that Triton pipelines through shared memory; then the tokens are linked.
     The products run in 3xTF32 (each operand split into two TF32 parts, three
     products), which keeps fp32 accuracy: plain TF32 would lose it."""
-    products = state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, pending,
-                              corr_head, pending_at, stride_c_tok, stride_c_dim, K, V, BK,
-                              BV, BT, NP, BR, DEFERRED, KEY_CHUNK, STAGES, CHEAP_SPLIT)
+    products = state_products(state_head, term_cols, tile, offs_v, stride_s_v, stride_s_k,
+                              pending, corr_head, pending_at, stride_c_tok, stride_c_dim, K, V,
+                              BK, BV, BT, NP, BR, DEFERRED, KEY_CHUNK, STAGES, CHEAP_SPLIT)
     cols = tl.arange(0, NP)
     residuals = ()
     query_dots = ()
@@ -193,8 +195,8 @@ def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps,
 
 
 @triton.jit
-def state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, pending, corr_head,
-                   pending_at, stride_c_tok, stride_c_dim, K: tl.constexpr,
+def state_products(state_head, term_cols, tile, offs_v, stride_s_v, stride_s_k, pending,
+                   corr_head, pending_at, stride_c_tok, stride_c_dim, K: tl.constexpr,
                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                    NP: tl.constexpr, BR: tl.constexpr, DEFERRED: tl.constexpr,
                    KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr, CHEAP_SPLIT: tl.constexpr):
@@ -208,6 +210,12 @@ def state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, pendin
     rows = state_head + offs_v[:, None] * stride_s_v
     rows_ok = (offs_v < V)[:, None]
     products = tl.zeros([BV, NP], dtype=tl.float32)
+    if DEFERRED and pending > 0:
+        # The records' corrections are read after the state's loop: asked of
+        # the L2 now, they arrive while the loop runs.
+        positions = tl.minimum(tl.arange(0, BR), pending - 1)
+        prefetch_to_l2(corr_head + positions[:, None] * stride_c_tok
+                       + line_starts(tile * BV, V, stride_c_dim, BV)[None, :])
     for k0 in tl.range(0, BK, KEY_CHUNK, num_stages=STAGES):
         keys = k0 + chunk
         s = tl.load(rows + keys[None, :] * stride_s_k, mask=rows_ok & (keys < K)[None, :],
@@ -325,7 +333,7 @@ def tensor_core_verify_kernel(
         v_rows = v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim
         if LINK_MATRIX:
             outs, corrections = link_on_tensor_cores(
-                state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, first,
+                state_products(state_head, term_cols, tile, offs_v, stride_s_v, stride_s_k, first,
                                corr_head, pending_at, stride_c_tok, stride_c_dim, K, V, BK,
                                BV, BT, NP, BR, DEFERRED, KEY_CHUNK, STAGES, CHEAP_SPLIT),
                 processed, coupling_ptr + head_row * (2 * BT * BT), v_rows, offs_v,
@@ -334,7 +342,7 @@ def tensor_core_verify_kernel(
             outs, corrections = tensor_core_tile(
                 state_head, term_cols,
                 tl.zeros([BV, BT], dtype=tl.float32), tl.zeros([BV, BT], dtype=tl.float32),
-                processed, steps, coupling_ptr + head_row * (2 * BT * BT), v_rows, offs_v,
+                processed, steps, coupling_ptr + head_row * (2 * BT * BT), v_rows, tile, offs_v,
                 beta_ptr + bos * stride_beta_tok + h * stride_beta_head, stride_s_v, stride_s_k,
                 stride_v_tok, stride_beta_tok, first, corr_head, pending_at, stride_c_tok,
                 stride_c_dim, K, V, BK, BV, BT, NP, SPEC_LEN, BR, DEFERRED, KEY_CHUNK, STAGES,
