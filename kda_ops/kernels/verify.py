@@ -233,7 +233,7 @@ def _verify_kernel(
                 term_cols = vec_base + (cols % BT) * (5 * BK) + (cols // BT) * BK
                 outs, corrections = tensor_core_tile(
                     state_head, term_cols, outs, corrections, processed, steps, coupling_at,
-                    v_rows, tile, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
+                    v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
                     stride_beta_tok, first, corr_head, pending_at, stride_c_tok, stride_c_dim,
                     K, V, BK, BV, BT, NP, SPEC_LEN, BR, DEFERRED, KEY_CHUNK, STAGES,
                     CHEAP_SPLIT=False)

@@ -17,9 +17,8 @@ took 219 us against 375 us for one fused kernel.
 import triton
 import triton.language as tl
 
-from .common import (block_is_valid, line_starts, link_tokens, live_range, load_window,
-                     pending_terms, prefetch_to_l2, wait_for_previous_kernel,
-                     window_after_records, window_vectors)
+from .common import (block_is_valid, link_tokens, live_range, load_window, pending_terms,
+                     wait_for_previous_kernel, window_after_records, window_vectors)
 
 
 @triton.jit
@@ -164,7 +163,7 @@ def _link_matrices(key_coupling, query_coupling, gains, steps, SPEC_LEN: tl.cons
 
 @triton.jit
 def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps, coupling_at,
-                     v_rows, tile, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
+                     v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
                      stride_beta_tok, pending, corr_head, pending_at, stride_c_tok,
                      stride_c_dim, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
@@ -178,9 +177,9 @@ def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps,
     that Triton pipelines through shared memory; then the tokens are linked.
     The products run in 3xTF32 (each operand split into two TF32 parts, three
     products), which keeps fp32 accuracy: plain TF32 would lose it."""
-    products = state_products(state_head, term_cols, tile, offs_v, stride_s_v, stride_s_k,
-                              pending, corr_head, pending_at, stride_c_tok, stride_c_dim, K, V,
-                              BK, BV, BT, NP, BR, DEFERRED, KEY_CHUNK, STAGES, CHEAP_SPLIT)
+    products = state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, pending,
+                              corr_head, pending_at, stride_c_tok, stride_c_dim, K, V, BK,
+                              BV, BT, NP, BR, DEFERRED, KEY_CHUNK, STAGES, CHEAP_SPLIT)
     cols = tl.arange(0, NP)
     residuals = ()
     query_dots = ()
@@ -195,8 +194,8 @@ def tensor_core_tile(state_head, term_cols, outs, corrections, processed, steps,
 
 
 @triton.jit
-def state_products(state_head, term_cols, tile, offs_v, stride_s_v, stride_s_k, pending,
-                   corr_head, pending_at, stride_c_tok, stride_c_dim, K: tl.constexpr,
+def state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, pending, corr_head,
+                   pending_at, stride_c_tok, stride_c_dim, K: tl.constexpr,
                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                    NP: tl.constexpr, BR: tl.constexpr, DEFERRED: tl.constexpr,
                    KEY_CHUNK: tl.constexpr, STAGES: tl.constexpr, CHEAP_SPLIT: tl.constexpr):
@@ -210,12 +209,6 @@ def state_products(state_head, term_cols, tile, offs_v, stride_s_v, stride_s_k, 
     rows = state_head + offs_v[:, None] * stride_s_v
     rows_ok = (offs_v < V)[:, None]
     products = tl.zeros([BV, NP], dtype=tl.float32)
-    if DEFERRED and pending > 0:
-        # The records' corrections are read after the state's loop: asked of
-        # the L2 now, they arrive while the loop runs.
-        positions = tl.minimum(tl.arange(0, BR), pending - 1)
-        prefetch_to_l2(corr_head + positions[:, None] * stride_c_tok
-                       + line_starts(tile * BV, V, stride_c_dim, BV)[None, :])
     for k0 in tl.range(0, BK, KEY_CHUNK, num_stages=STAGES):
         keys = k0 + chunk
         s = tl.load(rows + keys[None, :] * stride_s_k, mask=rows_ok & (keys < K)[None, :],
@@ -333,7 +326,7 @@ def tensor_core_verify_kernel(
         v_rows = v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim
         if LINK_MATRIX:
             outs, corrections = link_on_tensor_cores(
-                state_products(state_head, term_cols, tile, offs_v, stride_s_v, stride_s_k, first,
+                state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, first,
                                corr_head, pending_at, stride_c_tok, stride_c_dim, K, V, BK,
                                BV, BT, NP, BR, DEFERRED, KEY_CHUNK, STAGES, CHEAP_SPLIT),
                 processed, coupling_ptr + head_row * (2 * BT * BT), v_rows, offs_v,
@@ -342,7 +335,7 @@ def tensor_core_verify_kernel(
             outs, corrections = tensor_core_tile(
                 state_head, term_cols,
                 tl.zeros([BV, BT], dtype=tl.float32), tl.zeros([BV, BT], dtype=tl.float32),
-                processed, steps, coupling_ptr + head_row * (2 * BT * BT), v_rows, tile, offs_v,
+                processed, steps, coupling_ptr + head_row * (2 * BT * BT), v_rows, offs_v,
                 beta_ptr + bos * stride_beta_tok + h * stride_beta_head, stride_s_v, stride_s_k,
                 stride_v_tok, stride_beta_tok, first, corr_head, pending_at, stride_c_tok,
                 stride_c_dim, K, V, BK, BV, BT, NP, SPEC_LEN, BR, DEFERRED, KEY_CHUNK, STAGES,
