@@ -84,9 +84,10 @@ def load_window(k_ptr, g_ptr, q_ptr, tokens, h, offs_k, load_mask, tile_mask, st
                 stride_k_head, stride_k_dim, stride_g_tok, stride_g_head, stride_g_dim,
                 stride_q_tok, stride_q_head, stride_q_dim, CUT: tl.constexpr):
     """A window's raw key, gate and query tiles `[BT, BK]` (row t: token
-    `tokens[t]`, zero outside `tile_mask`). With CUT, the loads read
-    `load_mask`, which holds `tile_mask` and does not wait on what it waits
-    on (the deferred schedule's pending count), and the rest is zeroed after."""
+    `tokens[t]`, zero outside `tile_mask`). With CUT, the loads use
+    `load_mask`, a superset of `tile_mask` that does not depend on the
+    deferred schedule's pending count, so they need not wait for that load;
+    what lies outside `tile_mask` is zeroed after."""
     raw_k = tl.load(k_ptr + tokens * stride_k_tok + h * stride_k_head
                     + offs_k[None, :] * stride_k_dim, mask=load_mask, other=0.0)
     raw_g = tl.load(g_ptr + tokens * stride_g_tok + h * stride_g_head
