@@ -229,9 +229,10 @@ def test_deferred_ops_match_the_reference(stacked, align, device):
 @pytest.mark.parametrize("cache_layout", ["stacked", "per_layer"])
 def test_model_schedules_agree_over_a_long_run(cache_layout):
     """KDADecodeStep with record_len = R > T against the immediate schedule,
-    200 steps (18 interpreted, both flushes) of ragged windows and random acceptance (0 to L) with conv
-    history and projections, requests flushed mid-run: the same outputs every
-    step, the same conv history, and the same checkpoints after each flush."""
+    200 steps (18 interpreted, both flushes) of ragged windows and random
+    acceptance (0 to L) with conv history and projections, requests flushed
+    mid-run: the same outputs every step, the same conv history, and the same
+    checkpoints after each flush."""
     from kda_ops.models import KDADecodeStep, make_step_inputs
 
     T, R, layers = 3, 8, 2
