@@ -236,7 +236,8 @@ def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, link_o
     ("closed_form", 3, 16, 8, -5.0, 0.0), ("closed_form", 4, 16, 40, None, 4.0),
     ("token_loop", 5, 16, 40, -5.0, 0.0), ("token_loop", 3, 72, 8, None, 4.0),
     ("tensor_cores", 6, 16, 40, -5.0, 0.0), ("tensor_cores", 8, 72, 72, None, 4.0),
-    ("separate_terms", 4, 16, 40, None, 0.0), ("separate_terms", 8, 72, 72, -100.0, 4.0)])
+    ("separate_terms", 2, 16, 8, -5.0, 0.0), ("separate_terms", 4, 16, 40, None, 0.0),
+    ("separate_terms", 8, 72, 72, -100.0, 4.0)])
 def test_verify_with_pending_records(device, form, T, K, V, lower_bound, decay_shift):
     """The deferred schedule's verify in every form: each window starts from
     its checkpoint folded with the block's pending records and is recorded
@@ -302,6 +303,36 @@ def test_verify_tensor_cores_threshold():
     assert form(32 * 256, 9) == (False, False)
     symbolic_batch = ShapeEnv().create_unbacked_symint()
     assert form(symbolic_batch * 32, 8) == (False, False)
+
+
+def test_verify_tensor_cores_threshold_deferred():
+    """With pending records the tensor-core forms start at fewer pairs: in two
+    kernels from 128 pairs at T = 2..4 and from 512 at T = 5..8, in one from
+    128 at T = 5..8; never at T = 1 or T >= 9, nor with a batch whose size is
+    not known. The immediate schedule keeps its own thresholds."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def form(pairs, T, deferred=True):
+        return verify_config(128, 128, pairs, T, deferred).form
+
+    assert form(32 * 3, 4) == "closed_form"
+    assert form(32 * 4, 4) == "separate_terms"
+    assert form(32 * 4, 4, deferred=False) == "closed_form"
+    assert form(32 * 3, 2) == "closed_form"
+    assert form(32 * 4, 2) == "separate_terms"
+    assert form(32 * 4, 3) == "separate_terms"
+    assert form(32 * 256, 1) == "closed_form"
+    assert form(32 * 3, 8) == "token_loop"
+    assert form(32 * 4, 8) == "tensor_cores"
+    assert form(32 * 4, 8, deferred=False) == "token_loop"
+    assert form(32 * 15, 5) == "tensor_cores"
+    assert form(32 * 16, 5) == "separate_terms"
+    assert form(32 * 16, 8, deferred=False) == "tensor_cores"
+    assert form(32 * 256, 9) == "token_loop"
+    assert verify_config(8, 128, 32 * 256, 4, True).form == "closed_form"
+    symbolic_batch = ShapeEnv().create_unbacked_symint()
+    assert form(symbolic_batch * 32, 4) == "closed_form"
+    assert form(symbolic_batch * 32, 8) == "token_loop"
 
 
 @pytest.mark.parametrize("device", DEVICES)

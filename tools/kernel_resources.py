@@ -148,8 +148,8 @@ def main(argv=None):
     pdl = args.batch < dispatch.PROGRAMMATIC_LAUNCH_BELOW_BATCH
     with dispatch.kernel_choices(verify_form=args.verify_form):
         for T in (int(t) for t in args.spec_lens.split(",")):
-            config = dispatch.verify_config(K, V, args.batch * H, T)
             R, deferred = args.record_len, args.record_len is not None
+            config = dispatch.verify_config(K, V, args.batch * H, T, deferred)
             cases = dict(verify_kernels.verify_launches(config, K, V, T, True, pdl, R, deferred))
             for name, align in (("commit_state", False), ("commit_align", True)):
                 cases[name] = commit_kernels.commit_state_launch(K, V, H, T, True, False, align,

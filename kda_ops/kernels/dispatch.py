@@ -43,6 +43,19 @@ TENSOR_CORES_STAGES = 3
 SEPARATE_TERMS_FROM_LEN = 4
 # ... from this many pairs (12-22% faster at T = 8 from B = 24; even to 27% slower at B <= 16).
 SEPARATE_TERMS_FROM_PAIRS = 768
+# The deferred schedule takes the tensor-core forms from fewer pairs: the records' terms
+# double the FMA forms' instructions. Verify at 0-8 pending records, H100: the two-kernel
+# form from T = 2 ...
+DEFERRED_SEPARATE_TERMS_FROM_LEN = 2
+# ... and this many pairs at T <= 4 (T = 4, R = 12: 25-30 against 44-59 µs at B = 16,
+# 11-15 against 12-18 at B = 4, 9-13 against 8-12 at B = 2; T = 2, R = 8: even at B = 4) ...
+DEFERRED_SEPARATE_TERMS_FROM_PAIRS = 128
+# ... at T = 5..8 the one-kernel form from this many (T = 8, R = 16: 11-16 against 18-37 µs
+# at B = 4; 10-14 against 9-18 at B = 2) ...
+DEFERRED_TENSOR_CORES_FROM_PAIRS = 128
+# ... and the two-kernel form from this many (30-36 against 32-42 µs at B = 16; 20-23
+# against 17-21 at B = 8).
+DEFERRED_LONG_SEPARATE_TERMS_FROM_PAIRS = 512
 # Its state programs: 64 rows, 4 warps; the window terms in one-warp programs.
 SEPARATE_TERMS_BLOCK_V = 64
 SEPARATE_TERMS_WARPS = 4
@@ -126,23 +139,33 @@ class VerifyConfig(NamedTuple):
         return self.form == "separate_terms"
 
 
-def verify_form(key_dim, request_heads, spec_len) -> str:
-    """The measured-best form for `request_heads` = batch × heads pairs. A
-    symbolic batch takes a pairs threshold only where its range proves it."""
+def verify_form(key_dim, request_heads, spec_len, deferred=False) -> str:
+    """The measured-best form for `request_heads` = batch × heads pairs, in the
+    deferred schedule or not. A symbolic batch takes a pairs threshold only
+    where its range proves it."""
     tensor_cores_fit = key_dim >= TENSOR_CORES_MIN_KEYS and spec_len <= TENSOR_CORES_UP_TO
-    if (tensor_cores_fit and spec_len >= SEPARATE_TERMS_FROM_LEN
-            and statically_known_true(request_heads >= SEPARATE_TERMS_FROM_PAIRS)):
+    long_window = spec_len > CLOSED_FORM_UP_TO
+    if deferred:
+        separate_from = (DEFERRED_LONG_SEPARATE_TERMS_FROM_PAIRS if long_window
+                         else DEFERRED_SEPARATE_TERMS_FROM_PAIRS)
+        one_kernel_from = DEFERRED_TENSOR_CORES_FROM_PAIRS
+        separate_from_len = DEFERRED_SEPARATE_TERMS_FROM_LEN
+    else:
+        separate_from, one_kernel_from = SEPARATE_TERMS_FROM_PAIRS, TENSOR_CORES_FROM_PAIRS
+        separate_from_len = SEPARATE_TERMS_FROM_LEN
+    if (tensor_cores_fit and spec_len >= separate_from_len
+            and statically_known_true(request_heads >= separate_from)):
         return "separate_terms"
-    if (tensor_cores_fit and spec_len > CLOSED_FORM_UP_TO
-            and statically_known_true(request_heads >= TENSOR_CORES_FROM_PAIRS)):
+    if (tensor_cores_fit and long_window
+            and statically_known_true(request_heads >= one_kernel_from)):
         return "tensor_cores"
     return "closed_form" if spec_len <= CLOSED_FORM_UP_TO else "token_loop"
 
 
-def verify_config(key_dim, value_dim, request_heads, spec_len) -> VerifyConfig:
+def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False) -> VerifyConfig:
     """The VerifyConfig of a launch over `request_heads` = batch × heads pairs."""
     choices = _choices.get()
-    form = choices.verify_form or verify_form(key_dim, request_heads, spec_len)
+    form = choices.verify_form or verify_form(key_dim, request_heads, spec_len, deferred)
     if form in ("tensor_cores", "separate_terms") and not (
             key_dim >= TENSOR_CORES_MIN_KEYS and spec_len <= TENSOR_CORES_UP_TO):
         raise ValueError(f"verify form {form!r} needs K >= {TENSOR_CORES_MIN_KEYS} and "

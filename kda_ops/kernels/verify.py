@@ -464,7 +464,7 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     records = dims.spec_len
     spec_len = records if spec_len is None else spec_len
     deferred = pending is not None
-    config = verify_config(K, V, dims.batch * num_heads, spec_len)
+    config = verify_config(K, V, dims.batch * num_heads, spec_len, deferred)
     launch = dependent_launch(q, dims.batch)
     kernels = verify_launches(config, K, V, spec_len, lower_bound is not None, launch["PDL"],
                               records, deferred)
