@@ -44,14 +44,20 @@ def prefetch_to_l2(ptrs):
 
 
 @triton.jit
-def prefetch_block_rows(head_base, stride_blk, index_at, num_blocks, rows, stride_row, lines):
-    """Before wait_for_previous_kernel: asks the L2 for `rows` of the block whose
-    index is at `index_at`, each row's lines at element offsets `lines` (one
-    per 128 bytes). A kernel before this one may be writing that index: a
-    stale value costs a prefetch of the wrong lines, never a wrong value, and
-    clamped into [0, num_blocks) it stays inside the buffer."""
+def prefetch_block(index_at, num_blocks):
+    """Before wait_for_previous_kernel: the block index at `index_at` for
+    prefetch_block_rows, clamped into [0, num_blocks). A kernel before this
+    one may be writing that index: a stale value costs a prefetch of the wrong
+    lines, never a wrong value, and clamped it stays inside the buffers."""
+    return tl.minimum(tl.maximum(tl.load(index_at).to(tl.int64), 0), num_blocks - 1)
+
+
+@triton.jit
+def prefetch_block_rows(head_base, stride_blk, block, num_blocks, rows, stride_row, lines):
+    """Before wait_for_previous_kernel: asks the L2 for `rows` of block `block`
+    (from prefetch_block), each row's lines at element offsets `lines` (one
+    per 128 bytes)."""
     if num_blocks > 0:
-        block = tl.minimum(tl.maximum(tl.load(index_at).to(tl.int64), 0), num_blocks - 1)
         prefetch_to_l2(head_base + block * stride_blk + rows[:, None] * stride_row
                        + lines[None, :])
 
@@ -160,7 +166,8 @@ def _record(kg_head, j, stride_kg_tok, stride_kg_dim, offs_k, K: tl.constexpr):
 @triton.jit
 def pending_terms(key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, pending,
                   dt_bias, A, lower_bound, offs_k, mask_k, coef_at, K: tl.constexpr,
-                  BK: tl.constexpr, BR: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+                  BK: tl.constexpr, BR: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                  PREFETCHED: tl.constexpr):
     """The checkpoint terms of a window (rows t of `[BT, BK]` tiles: E_t k_t
     and E_t q_t) moved onto a checkpoint with `pending` records not yet folded
     in. With the records' normalised keys k_j, decays d_j and corrections u_j,
@@ -172,13 +179,17 @@ def pending_terms(key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_
     folds); stores c_j of token t's key term at `coef_at + j * 2 BT + t` and of
     its query term at `+ BT + t` for j < pending (readers mask the rest) and
     returns the terms times D. The records' lines are asked of the L2 first
-    and each record is loaded one step ahead, so a record's latency overlaps
-    the step before instead of adding to it."""
+    (unless PREFETCHED: the kernel asked for them before its wait) and each
+    record is loaded one step ahead, so a record's latency overlaps the step
+    before instead of adding to it. The walk is bound by its arithmetic: four
+    records loaded at once, their decay products a scan, took 17-52% longer
+    at 4 and 8 pending (H100: window terms at B = 16 and 64, closed form at 1)."""
     BT: tl.constexpr = key_terms.shape[0]
-    if pending > 0:  # the later records' loads then find their lines in the L2
-        records = tl.minimum(tl.arange(0, BR), pending - 1)
-        prefetch_to_l2(kg_head + records[:, None] * stride_kg_tok
-                       + line_starts(0, 2 * K, stride_kg_dim, 2 * BK)[None, :])
+    if not PREFETCHED:
+        if pending > 0:  # the later records' loads then find their lines in the L2
+            records = tl.minimum(tl.arange(0, BR), pending - 1)
+            prefetch_to_l2(kg_head + records[:, None] * stride_kg_tok
+                           + line_starts(0, 2 * K, stride_kg_dim, 2 * BK)[None, :])
     raw_key, raw_gate = _record(kg_head, pending - 1, stride_kg_tok, stride_kg_dim, offs_k, K)
     for i in range(0, pending):
         j = pending - 1 - i

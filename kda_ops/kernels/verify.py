@@ -39,7 +39,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from .common import (block_is_valid, line_starts, link_tokens, live_range, load_window,
-                     pending_records, pending_terms, prefetch_block_rows,
+                     pending_records, pending_terms, prefetch_block, prefetch_block_rows,
                      wait_for_previous_kernel, window_after_records, window_vectors)
 from .dispatch import WINDOW_TERMS_WARPS, dependent_launch, launch_options, verify_config
 from .verify_tensor_cores import tensor_core_tile, tensor_core_verify_kernel, window_terms_kernel
@@ -74,17 +74,17 @@ def _verify_kernel(
     b = tl.program_id(1)
     h = tl.program_id(2)
     if PREFETCH_STATE:
-        index_at = state_indices_ptr + b * stride_state_indices
+        early_block = prefetch_block(state_indices_ptr + b * stride_state_indices, num_blocks)
         tile_rows = tl.minimum(first_tile * BV + tl.arange(0, V_TILES * BV), V - 1)
-        prefetch_block_rows(state_ptr + h * stride_s_head, stride_s_blk, index_at, num_blocks,
+        prefetch_block_rows(state_ptr + h * stride_s_head, stride_s_blk, early_block, num_blocks,
                             tile_rows, stride_s_v, line_starts(0, K, stride_s_k, BK))
         if DEFERRED:
             # Every record position: the pending count is not known before the wait.
             positions = tl.minimum(tl.arange(0, BR), RECORDS - 1)
-            prefetch_block_rows(key_gate_ptr + h * stride_kg_head, stride_kg_blk, index_at,
+            prefetch_block_rows(key_gate_ptr + h * stride_kg_head, stride_kg_blk, early_block,
                                 num_blocks, positions, stride_kg_tok,
                                 line_starts(0, 2 * K, stride_kg_dim, 2 * BK))
-            prefetch_block_rows(correction_ptr + h * stride_c_head, stride_c_blk, index_at,
+            prefetch_block_rows(correction_ptr + h * stride_c_head, stride_c_blk, early_block,
                                 num_blocks, positions, stride_c_tok,
                                 line_starts(first_tile * BV, V, stride_c_dim, V_TILES * BV))
     wait_for_previous_kernel(PDL)
@@ -160,7 +160,8 @@ def _verify_kernel(
             if DEFERRED:
                 key_terms, query_terms = pending_terms(
                     key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
-                    dt_bias, A, lower_bound, offs_k, mask_k, pending_at, K, BK, BR, USE_LOWER_BOUND)
+                    dt_bias, A, lower_bound, offs_k, mask_k, pending_at, K, BK, BR, USE_LOWER_BOUND,
+                    PREFETCHED=PREFETCH_STATE)
             tl.store(vec_tile, key_terms)
             tl.store(vec_tile + BK, query_terms)
             tl.store(vec_tile + 2 * BK, keys)

@@ -93,7 +93,8 @@ def window_terms_kernel(
             key_terms, query_terms = pending_terms(
                 key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
                 dt_bias, A, lower_bound, offs_k, mask_k,
-                pending_terms_ptr + head_row * (BR * 2 * BT), K, BK, BR, USE_LOWER_BOUND)
+                pending_terms_ptr + head_row * (BR * 2 * BT), K, BK, BR, USE_LOWER_BOUND,
+                PREFETCHED=False)
         terms_tile = terms_ptr + head_row * (2 * BT * BK) + steps[:, None] * BK + offs_k[None, :]
         tl.store(terms_tile, key_terms)
         tl.store(terms_tile + BT * BK, query_terms)
