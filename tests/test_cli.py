@@ -116,6 +116,12 @@ def test_main_job_reports_each_step_on_stderr():
         assert [line.split(":")[1].strip() for line in steps] == ["step 1/3", "step 2/3",
                                                                   "step 3/3"]
         assert all("tokens accepted per layer, max output error" in line for line in steps)
+        # Every step's states agree with sequential decoding, the deferred ones
+        # with the pending records folded in (on copies: the schedule goes on deferring).
+        errors = [float(re.search(r"state error (\S+) \(", line).group(1)) for line in steps]
+        assert max(errors) < 1e-4, steps
+        held = "checkpoint)" if schedule == "immediate" else "pending records)"
+        assert all(line.endswith(held) for line in steps), steps
     assert not any(": step " in line for line in result.stdout.splitlines())
     assert result.stdout.splitlines()[-1] == "  result: OK"
 
