@@ -30,10 +30,10 @@ def checkpoint_error(state, reference):
 
 def folded_copy(state, correction, key_gate, pending, indices, A_log, dt_bias, lower_bound):
     """The states after every accepted token in the deferred schedule: the
-    checkpoints folded with their pending records, by a flush of copies (the
-    demo's own buffers keep deferring)."""
+    checkpoints folded with their pending records, by a flush of copies of
+    what flush writes (the demo's own buffers keep deferring)."""
     state = state.clone()
-    kda_ops.flush(indices, state=state, correction=correction.clone(), key_gate=key_gate.clone(),
+    kda_ops.flush(indices, state=state, correction=correction, key_gate=key_gate,
                   pending=pending.clone(), A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     return state
 
