@@ -56,8 +56,8 @@ DEFERRED_TENSOR_CORES_FROM_PAIRS = 128
 # ... and the two-kernel form from this many (30-36 against 32-42 µs at B = 16; 20-23
 # against 17-21 at B = 8).
 DEFERRED_LONG_SEPARATE_TERMS_FROM_PAIRS = 512
-# Its state programs: 64 rows in 4 warps, or 32 rows in 2 warps up to this length (state
-# products at T = 4, B = 64, H100: 2-4% faster; at T = 8 up to 6% slower at 4 pending) ...
+# Its state programs: 64 rows in 4 warps, or 32 rows in 2 warps up to this length (deferred
+# step at T = 2, 4, H100: 0.4-7.4% faster from B = 4; state products at T = 8: 6% slower) ...
 SMALL_STATE_TILES_UP_TO_LEN = 4
 # ... and the window terms in one-warp programs.
 WINDOW_TERMS_WARPS = 1
