@@ -9,8 +9,9 @@ deferred one with every block holding each count of pending records in turn
 (the counts are reset after each commit, so every call sees the same count).
 Each kernel's time is the median over 40 calls of its device time in
 torch.profiler, launched plainly (no programmatic launch, so no kernel waits
-inside its predecessor). Inputs rotate over index sets (64 below 8 requests,
-else 8), so that the states are not in the L2. The shapes are the
+inside its predecessor). Inputs rotate over index sets, as in the benchmark
+(one layer's states over at least 512 MiB, at most 64 sets), so that the
+states are not in the L2. The shapes are the
 benchmark's: H = 32, K = V = 128, fp32 state, bf16 activations, lower bound
 on. Needs a CUDA GPU.
 """
@@ -83,6 +84,13 @@ def setup(batch, spec_len, layers, records, pending_count, accepted_count, sets,
     return verify, commit
 
 
+def rotation_sets(batch):
+    """The benchmark's index sets for verify at `batch` requests (bench._block_pool
+    of one layer's states): 64 at B = 1, 4 at B = 64, 1 from B = 256."""
+    shape = bench.Shape(batch=batch, spec_len=1, layers=1)
+    return bench._block_pool(shape, bench._state_block_bytes(shape))[0]
+
+
 def _ints(text):
     return [int(x) for x in text.split(",")]
 
@@ -108,7 +116,7 @@ def main(argv=None):
         for batch in _ints(args.batches):
             for records, pending_count in cases:
                 verify, commit = setup(batch, T, args.layers, records, pending_count,
-                                       args.accepted, sets=64 if batch < 8 else 8)
+                                       args.accepted, sets=rotation_sets(batch))
                 label = ("immediate" if records == T
                          else f"deferred R = {records}, {pending_count} pending")
                 for op, fn in (("verify", verify), (f"commit of {args.layers} layers", commit)):
