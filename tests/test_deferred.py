@@ -144,7 +144,8 @@ def test_naive_deferred_align_mode_keeps_every_finished_block_exact(T, R, block_
                                    atol=1e-9)
 
 
-def deferred_problem(seed, *, stacked, align, T=3, R=7, N=24, L=2, D=12, W=4, block_size=4):
+def deferred_problem(seed, *, stacked, align, T=3, R=7, N=24, L=2, D=12, W=4, block_size=4,
+                     V=V):
     """One step's arguments with random pending counts (each leaving room for
     a window), ragged windows, a null row and an out-of-range index; in align
     mode every request's table blocks are its own."""
@@ -175,15 +176,18 @@ def deferred_problem(seed, *, stacked, align, T=3, R=7, N=24, L=2, D=12, W=4, bl
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("align", [False, True])
-def test_deferred_ops_match_the_reference(stacked, align, device):
+@pytest.mark.parametrize("value_dim", [V, 40])
+def test_deferred_ops_match_the_reference(stacked, align, value_dim, device):
     """verify with pending records and the deferred commit, through the ops,
     against the float64 reference: outputs, records, states, conv history and
-    pending counts."""
+    pending counts; V = 40 spans two state tiles of the kernels, the last one
+    partial."""
     import kda_ops
     from helpers import assert_rel_close
 
     T = 3
-    a, align_args = deferred_problem(7 + 2 * stacked + align, stacked=stacked, align=align, T=T)
+    a, align_args = deferred_problem(7 + 2 * stacked + align, stacked=stacked, align=align, T=T,
+                                     V=value_dim)
     a = {name: t.to(device) for name, t in a.items()}
     align_args = {name: t.to(device) if isinstance(t, torch.Tensor) else t
                   for name, t in align_args.items()}
