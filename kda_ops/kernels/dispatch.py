@@ -56,9 +56,11 @@ DEFERRED_TENSOR_CORES_FROM_PAIRS = 128
 # ... and the two-kernel form from this many (30-36 against 32-42 µs at B = 16; 20-23
 # against 17-21 at B = 8).
 DEFERRED_LONG_SEPARATE_TERMS_FROM_PAIRS = 512
-# Its state programs: 64 rows in 4 warps, or 32 rows in 2 warps up to this length (deferred
-# step at T = 2, 4, H100: 0.4-7.4% faster from B = 4; state products at T = 8: 6% slower) ...
+# Its state programs as (rows, warps): 32 rows in 2 warps up to this length (deferred step
+# at T = 2, 4, H100: 0.4-7.4% faster from B = 4; state products at T = 8: 6% slower) ...
 SMALL_STATE_TILES_UP_TO_LEN = 4
+SMALL_STATE_TILE = (32, 2)
+STATE_TILE = (64, 4)
 # ... and the window terms in one-warp programs.
 WINDOW_TERMS_WARPS = 1
 # It links the tokens by a tensor-core product from T = 5 (8-10% faster at T = 8, 1-3% slower at 4).
@@ -180,10 +182,11 @@ def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False) -
     rows = triton.next_power_of_2(value_dim)
     if form == "separate_terms":
         # 16 rows at least: smaller tiles the tensor cores only take padded.
-        small = spec_len <= SMALL_STATE_TILES_UP_TO_LEN
-        return VerifyConfig(block_v=max(min(rows, 32 if small else 64), 16), v_tiles=1,
+        tile_rows, warps = (SMALL_STATE_TILE if spec_len <= SMALL_STATE_TILES_UP_TO_LEN
+                            else STATE_TILE)
+        return VerifyConfig(block_v=max(min(rows, tile_rows), 16), v_tiles=1,
                             unroll_tokens=True, stages=TENSOR_CORES_STAGES,
-                            num_warps=2 if small else 4, **common)
+                            num_warps=warps, **common)
     if form == "tensor_cores":
         block_v = max(min(rows, TENSOR_CORES_BLOCK_V), 16)
         return VerifyConfig(block_v=block_v, v_tiles=1, unroll_tokens=True,
