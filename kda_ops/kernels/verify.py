@@ -387,12 +387,15 @@ def _closed_form_tile(state, outs, corrections, processed, steps, vec_base, slot
         residual = v - _row_dot(state * key, NUM_CHUNKS, BV, KEY_CHUNK)
         query_dot = _row_dot(state * query, NUM_CHUNKS, BV, KEY_CHUNK)
         if DEFERRED:
-            coef = pending_at + records * (2 * BT) + t
-            key_coef = tl.load(coef, mask=records < pending, other=0.0)
-            query_coef = tl.load(coef + BT, mask=records < pending, other=0.0)
-            residual -= _row_dot(pending_corrections * key_coef, RECORD_CHUNKS, BV, KEY_CHUNK)
-            query_dot += _row_dot(pending_corrections * query_coef, RECORD_CHUNKS, BV,
-                                  KEY_CHUNK)
+            # Skipped with none pending (after a fold): B = 1, T = 4 5.3 µs, not 6.4 (H100).
+            if pending > 0:
+                coef = pending_at + records * (2 * BT) + t
+                key_coef = tl.load(coef, mask=records < pending, other=0.0)
+                query_coef = tl.load(coef + BT, mask=records < pending, other=0.0)
+                residual -= _row_dot(pending_corrections * key_coef, RECORD_CHUNKS, BV,
+                                     KEY_CHUNK)
+                query_dot += _row_dot(pending_corrections * query_coef, RECORD_CHUNKS, BV,
+                                      KEY_CHUNK)
         residuals = residuals + (residual,)
         query_dots = query_dots + (query_dot,)
     return link_tokens(residuals, query_dots, outs, corrections, processed, steps, coupling_at,

