@@ -242,16 +242,17 @@ def test_verify_with_pending_records(device, form, T, K, V, lower_bound, decay_s
     """The deferred schedule's verify in every form: each window starts from
     its checkpoint folded with the block's pending records and is recorded
     after them. Records of R = 2T + 3 positions (one or two record chunks);
-    counts of 0, some, R - T, R - 1 (room for one token), R (no room), a
-    negative and one past R; windows of 0 to T + 2 tokens (those past T get
-    zero outputs), the null block, a negative and an out-of-range index."""
+    counts of 0 (the kernels then skip the records' terms), 1, some, R - T,
+    R - 1 (room for one token), R (no room), a negative and one past R;
+    windows of 0 to T + 2 tokens (those past T get zero outputs), the null
+    block, a negative and an out-of-range index."""
     R = 2 * T + 3
-    lens = (T, 1, 0, T + 2, 3, T - 1, 2, T, 2)
-    indices = (1, 2, 0, 3, -2, 4, 6, 5, 9)
+    lens = (T, 1, 0, T + 2, 3, T - 1, 2, T, 2, T, T)
+    indices = (1, 2, 0, 3, -2, 4, 6, 5, 9, 7, 8)
     with kernel_choices(verify_form=form):
-        args, buffers = make_problem(device, H=4, K=K, V=V, T=T, N=7, lens=lens, indices=indices,
+        args, buffers = make_problem(device, H=4, K=K, V=V, T=T, N=9, lens=lens, indices=indices,
                                      decay_shift=decay_shift, seed=61 + T + K, records=R)
-        pending = torch.tensor([5, R - 1, 3, R - T, R, -3, R + 4], dtype=torch.int32)
+        pending = torch.tensor([5, R - 1, 3, R - T, R, -3, R + 4, 0, 1], dtype=torch.int32)
         check_against_oracle(args, buffers, None, lower_bound=lower_bound,
                              pending=pending.to(device), spec_len=T)
 
