@@ -11,9 +11,8 @@ Each kernel's time is the median over 40 calls of its device time in
 torch.profiler, launched plainly (no programmatic launch, so no kernel waits
 inside its predecessor). Inputs rotate over index sets, as in the benchmark
 (one layer's states over at least 512 MiB, at most 64 sets), so that the
-states are not in the L2. The shapes are the
-benchmark's: H = 32, K = V = 128, fp32 state, bf16 activations, lower bound
-on. Needs a CUDA GPU.
+states are not in the L2. The shapes are the benchmark's: H = 32, K = V =
+128, fp32 state, bf16 activations, lower bound on. Needs a CUDA GPU.
 """
 
 import argparse
