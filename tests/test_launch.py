@@ -2,6 +2,9 @@
 kernels, each reading what the one before it wrote, gives the same bits with
 and without it (a load above the wait would race with the previous kernel)."""
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -18,7 +21,9 @@ from helpers import query_start_loc, requires_cuda
 
 
 def test_dependent_launch_only_for_cuda_tensors():
-    assert dispatch.dependent_launch(torch.zeros(1), 1) == {"PDL": False}
+    with set_wrap_triton_enabled(False):  # as the ops run eagerly
+        assert dispatch.dependent_launch(torch.zeros(1), 1) == {"PDL": False,
+                                                                "enable_fp_fusion": True}
 
 
 def test_traced_launch_adds_no_guard_on_the_batch():
@@ -39,13 +44,14 @@ def test_traced_launch_adds_no_guard_on_the_batch():
 def test_dependent_launch_policy():
     t = torch.zeros(1, device="cuda")
     below = dispatch.PROGRAMMATIC_LAUNCH_BELOW_BATCH
-    on = ({"PDL": True, "launch_pdl": True} if torch.cuda.get_device_capability()[0] >= 9
-          else {"PDL": False})
+    plain = {"PDL": False, "enable_fp_fusion": True}
+    on = (dict(plain, PDL=True, launch_pdl=True) if torch.cuda.get_device_capability()[0] >= 9
+          else plain)
     with set_wrap_triton_enabled(False):  # as the ops run eagerly
         assert dispatch.dependent_launch(t, below - 1) == on
-        assert dispatch.dependent_launch(t, below) == {"PDL": False}
+        assert dispatch.dependent_launch(t, below) == plain
         with kernel_choices(programmatic_launch=False):
-            assert dispatch.dependent_launch(t, 1) == {"PDL": False}
+            assert dispatch.dependent_launch(t, 1) == plain
     with set_wrap_triton_enabled(True):  # as while torch.compile traces the ops
         assert dispatch.dependent_launch(t, 1) == {"PDL": False}
 
@@ -131,3 +137,31 @@ def assert_eager_and_graphed_chains_match(plain):
         for name in RESULTS:
             for run, result in (("eager", eager), (f"replay {replay}", graphed)):
                 assert torch.equal(result[name], plain[name]), f"{name} differs ({run})"
+
+
+_CHAIN_IN_A_PROCESS = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_launch import RESULTS, make_chain, run_chain
+chain = make_chain("cuda")
+run_chain(chain)
+torch.save({name: chain[name].cpu() for name in RESULTS}, sys.argv[2])
+"""
+
+
+@requires_cuda
+def test_fp_fusion_does_not_follow_tritons_default(tmp_path):
+    """The kernels compile with FP fusion on (dispatch.dependent_launch), so a
+    process whose Triton default is off computes the same bits as one whose
+    default is on; unpinned, verify, conv_update and commit would run unfused."""
+    results = {}
+    for default in ("0", "1"):
+        saved = tmp_path / f"chain_{default}.pt"
+        env = dict(os.environ, TRITON_DEFAULT_FP_FUSION=default,
+                   TRITON_CACHE_DIR=str(tmp_path / f"triton_cache_{default}"))
+        subprocess.run([sys.executable, "-c", _CHAIN_IN_A_PROCESS, os.path.dirname(__file__),
+                        str(saved)], env=env, check=True)
+        results[default] = torch.load(saved)
+    for name in RESULTS:
+        assert torch.equal(results["0"][name], results["1"][name]), f"{name} differs"
