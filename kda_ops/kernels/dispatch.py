@@ -218,12 +218,13 @@ def conv_config(dim):
 
 
 def dependent_launch(t, batch):
-    """Launch options of a kernel over `batch` requests on `t`'s device:
-    programmatic dependent launch where an op launches the kernel itself
-    (eagerly, from a compiled graph or an AOTInductor package for the ops that
-    write their arguments, and what a CUDA graph captures from either) on sm_90
-    or later. Launches that Inductor emits (the decomposed ops, traced with
-    wrap_triton enabled) stay plain: torch passes no launch_pdl to user kernels."""
+    """Launch options of a kernel over `batch` requests on `t`'s device, where
+    an op launches the kernel itself (eagerly, from a compiled graph or an
+    AOTInductor package for the ops that write their arguments, and what a
+    CUDA graph captures from either): FP fusion on, and programmatic dependent
+    launch on sm_90 or later. Launches that Inductor emits (the decomposed ops,
+    traced with wrap_triton enabled; integer kernels) stay plain: torch passes
+    no launch_pdl to user kernels."""
     # Traced first: a traced batch may be symbolic, and comparing it would
     # add a guard (a recompile per batch size).
     if is_wrap_triton_enabled():
