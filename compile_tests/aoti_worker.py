@@ -1,6 +1,7 @@
 """Loads an AOTInductor package and runs it, in a process of its own (loading
 has crashed with SIGSEGV with some toolchains, docs/compile.md#5-aotinductor;
-the parent test tells a crash from a failure by the exit status).
+the parent test tells a crash from a failure by the exit status, and a crash
+in the loader from one in the package's run by a line printed after loading).
 
     python aoti_worker.py PACKAGE CASES_FILE RESULTS_FILE
 
@@ -14,11 +15,14 @@ import sys
 
 import torch
 
+LOADED = "package loaded"
+
 
 def main(package, cases_file, results_file):
     import kda_ops  # noqa: F401  (the ops' Python registrations, as an engine would have)
 
     compiled = torch._inductor.aoti_load_package(package)
+    print(LOADED, flush=True)  # a crash before this line is in the loader
     cases = torch.load(cases_file)
     device = cases["device"]
     results = []
