@@ -188,6 +188,18 @@ def record_bytes(shape):
 DRAWS_PER_BLOCK = 8
 
 
+def calls_per_index_set(shape):
+    """Calls of each index set in one CUDA-graph replay: DRAWS_PER_BLOCK draws
+    with acceptance < 1; with every token accepted one, or in the deferred
+    schedule R // T, the commits from one fold to the next. So every replay
+    folds each block equally often: replays in different fold phases would
+    take different times, and their median would time one phase while the
+    bytes count them all."""
+    if shape.acceptance < 1:
+        return DRAWS_PER_BLOCK
+    return 1 if shape.record_len is None else shape.records // shape.spec_len
+
+
 def accepted_draws(shape, calls, seed=0):
     """Accepted counts (host ints) of `calls` steps of `batch` requests: 1 +
     the leading accepted drafts of T - 1, each with probability `acceptance`."""
@@ -206,9 +218,10 @@ def schedule_bytes(shape, draws, sets, pending, with_conv):
     """Bytes per call of every layer's verify (and conv_update: `with_conv`) and
     the commit of `draws[j]` tokens, call j using index set j % sets. The deferred
     schedule's count follows the pending records from `pending` (per set and
-    request) over 16 rounds of the calls: verify reads the pending records,
-    and commit reads and writes the state only where it folds (each fold
-    reads its records); the conv history moves at every commit."""
+    request) over 16 rounds of the calls after 16 uncounted ones, as the timed
+    replays follow the warm-up's: verify reads the pending records, and
+    commit reads and writes the state only where it folds (each fold reads
+    its records); the conv history moves at every commit."""
     T, R = shape.spec_len, shape.records
     one = _one_request(shape)
     window = verify_bytes(one) + (conv_update_bytes(one) if with_conv else 0)
@@ -219,17 +232,18 @@ def schedule_bytes(shape, draws, sets, pending, with_conv):
         return shape.layers * sum(per_call) / len(draws)
     pending = [list(row) for row in pending]
     total_bytes, rounds = 0, 16
-    for _ in range(rounds):
+    for round_ in range(2 * rounds):
         for j, draw in enumerate(draws):
             counts = pending[j % sets]
             for b, accepted in enumerate(draw):
                 p = counts[b]
                 total = p + min(accepted, R - p)
-                total_bytes += window + p * record + history
+                moved = window + p * record + history
                 if total + T > R:
-                    total_bytes += 2 * state + total * record
+                    moved += 2 * state + total * record
                     total = 0
                 counts[b] = total
+                total_bytes += moved if round_ >= rounds else 0
     return shape.layers * total_bytes / (rounds * len(draws))
 
 
@@ -255,11 +269,10 @@ def _commit_buffers(shape, device, N):
 
 def _step_calls(shape, sets, device, step):
     """(calls, accepted draws, index sets) of a step benchmark: call j runs
-    `step(index set j % sets, accepted counts j)`, one call per index set, or
-    with acceptance < 1 DRAWS_PER_BLOCK per set (the counts on the device
-    before capture)."""
+    `step(index set j % sets, accepted counts j)`, calls_per_index_set calls
+    per set (the counts on the device before capture)."""
     index_sets = _index_sets(sets, shape.batch, device)
-    count = sets if shape.acceptance >= 1 else sets * DRAWS_PER_BLOCK
+    count = sets * calls_per_index_set(shape)
     draws = accepted_draws(shape, count)
     accepted = [torch.tensor(draw, device=device, dtype=torch.int32) for draw in draws]
     calls = [lambda j=j: step(index_sets[j % sets], accepted[j]) for j in range(count)]

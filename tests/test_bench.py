@@ -150,6 +150,34 @@ def test_deferred_setups_run_the_schedule(op, monkeypatch):
     assert moved < expected_bytes(SHAPE, op)
 
 
+@pytest.mark.parametrize("spec_len, record_len", [(3, 5), (3, 7), (2, 7), (3, 12)])
+def test_every_replay_folds_each_block_once(spec_len, record_len, monkeypatch):
+    """With every token accepted, one replay of the deferred calls commits each
+    block R // T times: from the second replay on, each folds exactly once per
+    replay (a fold leaves no record pending), so replays take equal times."""
+    import kda_ops.api
+
+    monkeypatch.setattr(bench, "MAX_ROTATION_SETS", 3)
+    shape = dataclasses.replace(SHAPE, spec_len=spec_len, record_len=record_len)
+    folded = []
+    real_commit = kda_ops.api.commit
+
+    def commit(accepted, state_indices, *args, **kwargs):
+        real_commit(accepted, state_indices, *args, **kwargs)
+        folded.append(state_indices[kwargs["pending"][0, state_indices.long()] == 0].tolist())
+
+    monkeypatch.setattr(bench.kda_ops, "commit", commit)
+    calls, _ = bench.SETUPS["verify_commit"](shape, "cpu")
+    assert len(calls) == 3 * (record_len // spec_len)
+    for replay in range(4):
+        folded.clear()
+        for call in calls:
+            call()
+        if replay:
+            per_block = sorted(b for call_folds in folded for b in call_folds)
+            assert per_block == list(range(1, 3 * shape.batch + 1))
+
+
 @pytest.mark.parametrize("argv, argument", [
     (["--ops", "verify,unknown"], "--ops"),
     (["--batches", "8,0"], "--batches"),
