@@ -241,10 +241,11 @@ def test_performance_doc_shows_the_saved_h200_runs():
     assert bench.markdown_table(runs) in (DOCS / "performance.md").read_text()
 
 
-@pytest.mark.parametrize("name", ["bench_h100_deferred.json", "bench_h100_deferred_records.json",
+@pytest.mark.parametrize("name", ["bench_h100_deferred_t2.json", "bench_h100_deferred_t4.json",
+                                  "bench_h100_deferred_t8.json",
+                                  "bench_h100_deferred_records.json",
                                   "bench_h100_deferred_t2_t4.json",
-                                  "bench_h100_deferred_t4_r12.json",
-                                  "bench_h100_deferred_t4_r12_r16.json"])
+                                  "bench_h100_deferred_t4_r12.json"])
 def test_performance_doc_shows_the_saved_deferred_runs(name):
     saved = json.loads((DOCS / name).read_text())
     assert bench.markdown_table([saved]) in (DOCS / "performance.md").read_text()
