@@ -8,21 +8,22 @@
     python -m kda_ops.bench --table out.json [more.json ...] [--plot out.png]
 
 Ops: verify and conv_update (one layer), commit (all layers; commit_align: in
-align mode, every window crossing a block boundary), verify_commit
-(every layer's verify, then the commit), step (every layer's conv_update +
-verify, then the commit: `kda_ops.models.KDADecodeStep`), step_compiled
-(the same step through `torch.compile(fullgraph=True)`). The last three also
-run the deferred schedule with records of each R in `--record-lens`, and with
-each draft token accepted with each probability in `--acceptance`; their
-bytes follow the schedule (schedule_bytes), so each row has its own floor. For each op and
-shape: the median time of CUDA-graph replays of one call per rotation set, the bytes
-that must move (each input read once, each output written once), and the
-effective bandwidth as a fraction of the device-to-device copy bandwidth
-measured in the same run. Inputs rotate over up to 64 index sets, so that the
-state blocks (conv_update: history blocks) touched reach ROTATION_BYTES, about
-8x the L2 cache, where 64 sets allow it; docs/performance.md names the small
-batches where they do not. `--table` prints saved runs as a markdown table
-(no GPU needed): docs/performance.md's current numbers are that output.
+align mode, every window crossing a block boundary), verify_commit (every
+layer's verify, then the commit), step (every layer's conv_update + verify, then
+the commit: `kda_ops.models.KDADecodeStep`), step_compiled (the same step
+through `torch.compile(fullgraph=True)`). The last three also run the deferred
+schedule with records of each R in `--record-lens`, and with each draft token
+accepted with each probability in `--acceptance`; their bytes follow the
+schedule (schedule_bytes), so each row has its own floor. For each op and shape:
+the median time of one call from CUDA-graph replays of every rotation set's
+calls (one per set, more for those: calls_per_index_set), the bytes that must
+move (each input read once, each output written once), and the effective
+bandwidth as a fraction of the device-to-device copy bandwidth measured in the
+same run. Inputs rotate over up to 64 index sets, so that the state blocks
+(conv_update: history blocks) touched reach ROTATION_BYTES, about 8x the L2
+cache, where 64 sets allow it; docs/performance.md names the small batches where
+they do not. `--table` prints saved runs as a markdown table (no GPU needed):
+docs/performance.md's current numbers are that output.
 """
 
 import argparse
