@@ -16,14 +16,14 @@ schedule with records of each R in `--record-lens`, and with each draft token
 accepted with each probability in `--acceptance`; their bytes follow the
 schedule (schedule_bytes), so each row has its own floor. For each op and shape:
 the median time of one call from CUDA-graph replays of every rotation set's
-calls (one per set, more for those: calls_per_index_set), the bytes that must
-move (each input read once, each output written once), and the effective
-bandwidth as a fraction of the device-to-device copy bandwidth measured in the
-same run. Inputs rotate over up to 64 index sets, so that the state blocks
-(conv_update: history blocks) touched reach ROTATION_BYTES, about 8x the L2
-cache, where 64 sets allow it; docs/performance.md names the small batches where
-they do not. `--table` prints saved runs as a markdown table (no GPU needed):
-docs/performance.md's current numbers are that output.
+calls (one per set, more for the schedule rows: calls_per_index_set), the bytes
+that must move (each input read once, each output written once), and the
+effective bandwidth as a fraction of the device-to-device copy bandwidth
+measured in the same run. Inputs rotate over up to 64 index sets, so that the
+state blocks (conv_update: history blocks) touched reach ROTATION_BYTES, about
+8x the L2 cache, where 64 sets allow it; docs/performance.md names the small
+batches where they do not. `--table` prints saved runs as a markdown table (no
+GPU needed): docs/performance.md's current numbers are that output.
 """
 
 import argparse
@@ -232,19 +232,25 @@ def schedule_bytes(shape, draws, sets, pending, with_conv):
         per_call = [sum(window + history + 2 * state + c * record for c in draw) for draw in draws]
         return shape.layers * sum(per_call) / len(draws)
     pending = [list(row) for row in pending]
-    total_bytes, rounds = 0, 16
-    for round_ in range(2 * rounds):
+
+    def one_round():
+        moved = 0
         for j, draw in enumerate(draws):
             counts = pending[j % sets]
             for b, accepted in enumerate(draw):
                 p = counts[b]
                 total = p + min(accepted, R - p)
-                moved = window + p * record + history
+                moved += window + p * record + history
                 if total + T > R:
                     moved += 2 * state + total * record
                     total = 0
                 counts[b] = total
-                total_bytes += moved if round_ >= rounds else 0
+        return moved
+
+    rounds = 16
+    for _ in range(rounds):  # the warm-up's replays
+        one_round()
+    total_bytes = sum(one_round() for _ in range(rounds))
     return shape.layers * total_bytes / (rounds * len(draws))
 
 
