@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kda_ops import naive
+from kda_ops.kernels.dispatch import kernel_choices
 
 from helpers import DEVICES, INTERPRET, query_start_loc
 
@@ -326,15 +327,26 @@ def test_spec_len_misuse_names_the_argument(op):
     call(spec_len=R)  # the immediate schedule's T, spelled out
 
 
-@pytest.mark.parametrize("device", DEVICES)
+# The deferred commit's two Triton forms (a program per tile, or a persistent
+# grid over the listed folds); the PyTorch path has one.
+FOLD_FORMS = [(device, listed) for device in DEVICES
+              for listed in ([False, True] if device == "cuda" or INTERPRET else [None])]
+
+
+@pytest.mark.parametrize("device, listed_folds", FOLD_FORMS)
 @pytest.mark.parametrize("align", [False, True])
-def test_deferred_ops_follow_the_reference_over_a_long_run(align, device):
+def test_deferred_ops_follow_the_reference_over_a_long_run(align, device, listed_folds):
     """The ops (the Triton kernels on CUDA and under TRITON_INTERPRET=1, the
     PyTorch path on CPU) against the float64 reference, step after step:
     two stacked layers, ragged windows, acceptance 0 to L, a null row every
     few steps, requests that finish (flushed) and new ones that join, and in
     align mode windows crossing block boundaries. Outputs, pending counts and
     the conv history every step; every state after each step and each flush."""
+    with kernel_choices(listed_folds=listed_folds):
+        deferred_long_run(align, device)
+
+
+def deferred_long_run(align, device):
     import kda_ops
     from helpers import assert_rel_close
 

@@ -46,7 +46,7 @@ UNIT_STRIDES = {"stride_q_dim", "stride_k_dim", "stride_v_dim", "stride_g_dim", 
 ACTIVATION_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "key_gate_ptr", "out_ptr",
                        "x_ptr", "conv_ptr", "weight_ptr", "bias_ptr"}
 INDEX_POINTERS = {"query_start_ptr", "state_indices_ptr", "accepted_ptr", "request_ptr",
-                  "block_table_ptr", "computed_ptr", "pending_ptr"}
+                  "block_table_ptr", "computed_ptr", "pending_ptr", "fold_plan_ptr"}
 
 
 def arg_type(name):
@@ -154,6 +154,10 @@ def main(argv=None):
             for name, align in (("commit_state", False), ("commit_align", True)):
                 cases[name] = commit_kernels.commit_state_launch(K, V, H, T, True, False, align,
                                                                  pdl, R, deferred)
+            if deferred:
+                cases["commit_listed"] = commit_kernels.commit_state_launch(
+                    K, V, H, T, True, False, False, pdl, R, deferred, listed=True)
+                cases["fold_plan"] = commit_kernels.fold_plan_launch(T, R, False, False, pdl)
             cases["conv_update"] = conv_kernels.conv_update_launch(H * (2 * K + V), 4, T, True,
                                                                    True, pdl)
             for name, (kernel, constexprs, warps) in cases.items():

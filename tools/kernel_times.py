@@ -2,6 +2,7 @@
 
     python tools/kernel_times.py [--batches 1,16,64] [--spec-len 4] [--record-len 12]
         [--pending 0,4,8] [--accepted 2] [--layers 16] [--verify-form FORM]
+        [--listed-folds on|off]
 
 Where a decode step's time goes, kernel by kernel: for each batch, verify (one
 layer) and commit (every layer) in the immediate schedule, then in the
@@ -108,10 +109,15 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--verify-form", default=None, choices=VERIFY_FORMS,
                         help="verify's form instead of the policy's")
+    parser.add_argument("--listed-folds", default=None, choices=("on", "off"),
+                        help="the deferred commit's listed folds on or off instead of the "
+                             "policy's")
     args = parser.parse_args(argv)
+    listed = None if args.listed_folds is None else args.listed_folds == "on"
     T = args.spec_len
     cases = [(T, 0)] + [(args.record_len, p) for p in _ints(args.pending)]
-    with kernel_choices(programmatic_launch=False, verify_form=args.verify_form):
+    with kernel_choices(programmatic_launch=False, verify_form=args.verify_form,
+                        listed_folds=listed):
         for batch in _ints(args.batches):
             for records, pending_count in cases:
                 verify, commit = setup(batch, T, args.layers, records, pending_count,

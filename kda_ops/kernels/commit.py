@@ -3,12 +3,15 @@ the deferred schedule's commit and flush.
 
 Two launches cover all layers: one folds the recurrent state, one compacts the
 convolution history. Both compute the commit plan of their request inline
-(`commit_plan_row`, `deferred_plan_row`), so no intermediate plan tensor is
-written or read. The deferred schedule adds a third launch that writes the
-pending counts, after the two that read them (programs of one layer and block
-read its count in both).
+(`commit_plan_row`, `deferred_plan_row`). The deferred schedule adds a third
+launch that writes the pending counts, after the two that read them (programs
+of one layer and block read its count in both). Where `dispatch.listed_folds`
+says so, its state fold is two launches instead: a plan with a row per
+(layer, request) pair that folds now, then a persistent grid over those
+pairs' tiles, so that a commit in which few pairs fold launches few programs.
 """
 
+import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
@@ -16,7 +19,15 @@ from torch.library import wrap_triton
 from .common import (NULL_BLOCK, block_is_valid, commit_plan_row, deferred_plan_row,
                      int32_or_null, kda_gate, l2_normalize, live_range, pending_count,
                      wait_for_previous_kernel)
-from .dispatch import commit_config, conv_config, dependent_launch, launch_options
+from .dispatch import (commit_config, conv_config, dependent_launch, fold_programs,
+                       launch_options, listed_folds)
+
+# Pairs the fold plan's one program plans at a time (16 layers of 256 requests), eight
+# per thread.
+FOLD_PLAN_BLOCK = 4096
+FOLD_PLAN_WARPS = 16
+# int32 entries of a fold-plan row: six used, padded to one 32-byte sector.
+PLAN_ROW = tl.constexpr(8)
 
 
 @triton.jit
@@ -82,6 +93,143 @@ def folds_now(total, boundary_col, final, source, SPEC_LEN: tl.constexpr,
 
 
 @triton.jit
+def _fold_plan_kernel(
+    fold_plan_ptr, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
+    block_table_ptr, computed_ptr, pending_ptr,
+    num_blocks, num_rows, bt_cols, block_size, batch, num_pairs,
+    stride_accepted, stride_request, stride_state_indices, stride_query_start,
+    stride_bt_row, stride_bt_col, stride_computed, stride_p_layer, stride_p_blk,
+    SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr,
+    ALIGN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program: a row (layer, count, source, final, boundary, recovery) for
+    each (layer, request) pair whose deferred commit folds now, in order, then
+    their number in row `num_pairs`."""
+    wait_for_previous_kernel(PDL)
+    listed = tl.full([], 0, tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        pairs = start + tl.arange(0, BLOCK)
+        in_range = pairs < num_pairs
+        pairs = tl.where(in_range, pairs, 0)
+        b = pairs % batch
+        layer = pairs // batch
+        _, total, row, final_col, boundary_col, recovery, _ = deferred_plan_row(
+            b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
+            stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
+            stride_computed, pending_ptr + layer.to(tl.int64) * stride_p_layer, stride_p_blk,
+            num_rows, num_blocks, bt_cols, block_size, RECORDS, HAS_REQUEST_INDICES, ALIGN)
+        source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+        final, boundary = _fold_targets(block_table_ptr, row, final_col, boundary_col, total,
+                                        source, stride_bt_row, stride_bt_col, ALIGN)
+        folds = (_folds(total, boundary_col, final, source, boundary, num_blocks, SPEC_LEN,
+                        RECORDS, True) & in_range).to(tl.int32)
+        at = fold_plan_ptr + (listed + tl.cumsum(folds, 0) - folds) * PLAN_ROW
+        listing = folds > 0
+        tl.store(at, layer, mask=listing)
+        tl.store(at + 1, total.to(tl.int32), mask=listing)
+        tl.store(at + 2, source.to(tl.int32), mask=listing)
+        tl.store(at + 3, final.to(tl.int32), mask=listing)
+        tl.store(at + 4, boundary.to(tl.int32), mask=listing)
+        tl.store(at + 5, recovery.to(tl.int32), mask=listing)
+        listed += tl.sum(folds, 0)
+    tl.store(fold_plan_ptr + num_pairs * PLAN_ROW, listed)
+
+
+@triton.jit
+def _fold_targets(block_table_ptr, row, final_col, boundary_col, count, source, stride_bt_row,
+                  stride_bt_col, ALIGN: tl.constexpr):
+    """(final, boundary) blocks of a plan: in align mode from the block table
+    (see commit_plan_row for why the lookups stay out of the plan), else the
+    checkpoint's own block and none."""
+    if ALIGN:
+        table_row = block_table_ptr + row * stride_bt_row
+        final = tl.load(table_row + final_col * stride_bt_col, mask=count > 0,
+                        other=NULL_BLOCK).to(tl.int64)
+        boundary = tl.load(table_row + boundary_col * stride_bt_col, mask=boundary_col >= 0,
+                           other=NULL_BLOCK).to(tl.int64)
+    else:
+        final = source
+        boundary = tl.zeros_like(source)
+    return final, boundary
+
+
+@triton.jit
+def _folds(count, boundary_col, final, source, boundary, num_blocks, SPEC_LEN: tl.constexpr,
+           RECORDS: tl.constexpr, DEFERRED: tl.constexpr):
+    """Whether the commit writes a fold: records to fold (deferred: now), a
+    valid checkpoint and a valid block to write."""
+    if DEFERRED:  # `count` holds the total so far: fold it now, or leave it pending
+        count = tl.where(folds_now(count, boundary_col, final, source, SPEC_LEN, RECORDS),
+                         count, 0)
+    return ((count > 0) & block_is_valid(source, num_blocks)
+            & (block_is_valid(final, num_blocks) | block_is_valid(boundary, num_blocks)))
+
+
+@triton.jit
+def _plan_row_entries(row_ptr, there):
+    """(layer, count, source, final, boundary, recovery) of a fold-plan row."""
+    layer = tl.load(row_ptr, mask=there, other=0).to(tl.int64)
+    count = tl.load(row_ptr + 1, mask=there, other=0).to(tl.int64)
+    source = tl.load(row_ptr + 2, mask=there, other=0).to(tl.int64)
+    final = tl.load(row_ptr + 3, mask=there, other=0).to(tl.int64)
+    boundary = tl.load(row_ptr + 4, mask=there, other=0).to(tl.int64)
+    recovery = tl.load(row_ptr + 5, mask=there, other=0).to(tl.int64)
+    return layer, count, source, final, boundary, recovery
+
+
+@triton.jit
+def _fold_tile(
+    state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr, layer, h, pid_v,
+    count, source, final, boundary, recovery, num_blocks, lower_bound,
+    stride_s_layer, stride_s_blk, stride_s_head, stride_s_v, stride_s_k,
+    stride_c_layer, stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
+    stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
+    stride_A_layer, stride_A_head, stride_dt_layer, stride_dt_head, stride_dt_dim,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, ALIGN: tl.constexpr, RECORD_STAGES: tl.constexpr,
+):
+    """Folds `count` records of one state tile into the checkpoint `source`,
+    storing the boundary state after `recovery` of them (align mode) and the
+    final one, where those blocks are valid."""
+    final_ok = block_is_valid(final, num_blocks)
+    boundary_ok = block_is_valid(boundary, num_blocks)
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    mask_tile = mask_v[:, None] & mask_k[None, :]
+    tile = offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
+    head_base = state_ptr + layer * stride_s_layer + h * stride_s_head
+    # The whole source tile is read before anything is stored, and no other
+    # program touches it, so final == source (in-place) is race-free.
+    state = tl.load(head_base + source * stride_s_blk + tile, mask=mask_tile,
+                    other=0.0).to(tl.float32)
+    tl.debug_barrier()  # every warp has read its part before any warp stores
+    A = tl.exp(tl.load(A_log_ptr + layer * stride_A_layer + h * stride_A_head).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + layer * stride_dt_layer + h * stride_dt_head
+                      + offs_k * stride_dt_dim, mask=mask_k, other=0.0).to(tl.float32)
+    corr_row = (correction_ptr + layer * stride_c_layer + source * stride_c_blk
+                + h * stride_c_head + offs_v * stride_c_dim)
+    kg_row = (key_gate_ptr + layer * stride_kg_layer + source * stride_kg_blk
+              + h * stride_kg_head + offs_k * stride_kg_dim)
+    folded = 0
+    if ALIGN:
+        # Up to the boundary, then the rest: a store inside the pipelined
+        # loop made it spill (H200: 1.6-1.9% slower, docs/performance.md).
+        folded = tl.where(boundary_ok, tl.minimum(recovery, count), 0)
+        state = _fold_records(state, 0, folded, kg_row, corr_row, stride_kg_tok,
+                              stride_kg_dim, stride_c_tok, mask_k, mask_v, dt_bias, A,
+                              lower_bound, K, USE_LOWER_BOUND, RECORD_STAGES)
+        if boundary_ok:
+            tl.store(head_base + boundary * stride_s_blk + tile, state, mask=mask_tile)
+    state = _fold_records(state, folded, count, kg_row, corr_row, stride_kg_tok, stride_kg_dim,
+                          stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, K,
+                          USE_LOWER_BOUND, RECORD_STAGES)
+    if final_ok:
+        tl.store(head_base + final * stride_s_blk + tile, state, mask=mask_tile)
+
+
+@triton.jit
 def _commit_state_kernel(
     state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr,
     accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
@@ -93,82 +241,68 @@ def _commit_state_kernel(
     stride_c_layer, stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
     stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
     stride_A_layer, stride_A_head, stride_dt_layer, stride_dt_head, stride_dt_dim,
+    fold_plan_ptr, num_pairs,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NUM_HEADS: tl.constexpr, SPEC_LEN: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr, RECORD_STAGES: tl.constexpr,
     RECORDS: tl.constexpr, DEFERRED: tl.constexpr, FLUSH: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, LISTED: tl.constexpr, V_TILES: tl.constexpr,
 ):
     """Folds `commit` records into the checkpoint (the boundary state after
     `recovery` of them, in align mode): immediately the accepted ones; deferred
     all pending ones where the plan folds now (SPEC_LEN is then T and RECORDS
-    R); on a flush every pending one."""
+    R); on a flush every pending one. A program per tile, or with LISTED a
+    persistent grid over the tiles of the rows `_fold_plan_kernel` wrote."""
     wait_for_previous_kernel(PDL)
     lower_bound = tl.cast(lower_bound, tl.float32)  # fp64 when launched by Inductor
-    pid_v = tl.program_id(0)
-    b = tl.program_id(1)
-    # int64: a stacked cache passes 2**31 elements from about 274 blocks (16
-    # layers, 32 heads, K = V = 128), and the layer stride is an int32 argument.
-    layer = (tl.program_id(2) // NUM_HEADS).to(tl.int64)
-    h = tl.program_id(2) % NUM_HEADS
-
-    commit, row, final_col, boundary_col, recovery = _plan(
-        b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, computed_ptr,
-        pending_ptr + layer * stride_p_layer, num_blocks, num_rows, bt_cols, block_size,
-        stride_accepted, stride_request, stride_state_indices, stride_query_start,
-        stride_computed, stride_p_blk, SPEC_LEN, RECORDS, HAS_REQUEST_INDICES, ALIGN, DEFERRED,
-        FLUSH)
-    # Block lookups stay in the kernel body: see commit_plan_row.
-    source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
-    if ALIGN:
-        table_row = block_table_ptr + row * stride_bt_row
-        final = tl.load(table_row + final_col * stride_bt_col, mask=commit > 0,
-                        other=NULL_BLOCK).to(tl.int64)
-        boundary = tl.load(table_row + boundary_col * stride_bt_col, mask=boundary_col >= 0,
-                           other=NULL_BLOCK).to(tl.int64)
+    if LISTED:
+        tiles = NUM_HEADS * V_TILES  # per listed pair
+        items = tl.load(fold_plan_ptr + num_pairs * PLAN_ROW) * tiles
+        first = tl.program_id(0)
+        layer, commit, source, final, boundary, recovery = _plan_row_entries(
+            fold_plan_ptr + (first // tiles) * PLAN_ROW, first < items)
+        for item in range(first, items, tl.num_programs(0)):
+            # The next item's row is requested before this tile is folded, so
+            # that its latency hides behind the fold.
+            following = item + tl.num_programs(0)
+            next_entries = _plan_row_entries(fold_plan_ptr + (following // tiles) * PLAN_ROW,
+                                             following < items)
+            _fold_tile(state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr, layer,
+                       (item // V_TILES) % NUM_HEADS, item % V_TILES, commit, source, final,
+                       boundary, recovery, num_blocks, lower_bound,
+                       stride_s_layer, stride_s_blk, stride_s_head, stride_s_v, stride_s_k,
+                       stride_c_layer, stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
+                       stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok,
+                       stride_kg_dim, stride_A_layer, stride_A_head, stride_dt_layer,
+                       stride_dt_head, stride_dt_dim, K, V, BK, BV, USE_LOWER_BOUND, ALIGN,
+                       RECORD_STAGES)
+            layer, commit, source, final, boundary, recovery = next_entries
     else:
-        final = source
-        boundary = tl.zeros_like(source)
-    if DEFERRED:  # `commit` holds the total so far: fold it now, or leave it pending
-        commit = tl.where(folds_now(commit, boundary_col, final, source, SPEC_LEN, RECORDS),
-                          commit, 0)
-    final_ok = block_is_valid(final, num_blocks)
-    boundary_ok = block_is_valid(boundary, num_blocks)
-    if (commit > 0) & block_is_valid(source, num_blocks) & (final_ok | boundary_ok):
-        offs_k = tl.arange(0, BK)
-        offs_v = pid_v * BV + tl.arange(0, BV)
-        mask_k = offs_k < K
-        mask_v = offs_v < V
-        mask_tile = mask_v[:, None] & mask_k[None, :]
-        tile = offs_v[:, None] * stride_s_v + offs_k[None, :] * stride_s_k
-        head_base = state_ptr + layer * stride_s_layer + h * stride_s_head
-        # The whole source tile is read before anything is stored, and no other
-        # program touches it, so final == source (in-place) is race-free.
-        state = tl.load(head_base + source * stride_s_blk + tile, mask=mask_tile,
-                        other=0.0).to(tl.float32)
-        tl.debug_barrier()  # every warp has read its part before any warp stores
-        A = tl.exp(tl.load(A_log_ptr + layer * stride_A_layer + h * stride_A_head).to(tl.float32))
-        dt_bias = tl.load(dt_bias_ptr + layer * stride_dt_layer + h * stride_dt_head
-                          + offs_k * stride_dt_dim, mask=mask_k, other=0.0).to(tl.float32)
-        corr_row = (correction_ptr + layer * stride_c_layer + source * stride_c_blk
-                    + h * stride_c_head + offs_v * stride_c_dim)
-        kg_row = (key_gate_ptr + layer * stride_kg_layer + source * stride_kg_blk
-                  + h * stride_kg_head + offs_k * stride_kg_dim)
-        folded = 0
-        if ALIGN:
-            # Up to the boundary, then the rest: a store inside the pipelined
-            # loop made it spill (H200: 1.6-1.9% slower, docs/performance.md).
-            folded = tl.where(boundary_ok, tl.minimum(recovery, commit), 0)
-            state = _fold_records(state, 0, folded, kg_row, corr_row, stride_kg_tok,
-                                  stride_kg_dim, stride_c_tok, mask_k, mask_v, dt_bias, A,
-                                  lower_bound, K, USE_LOWER_BOUND, RECORD_STAGES)
-            if boundary_ok:
-                tl.store(head_base + boundary * stride_s_blk + tile, state, mask=mask_tile)
-        state = _fold_records(state, folded, commit, kg_row, corr_row, stride_kg_tok, stride_kg_dim,
-                              stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, K,
-                              USE_LOWER_BOUND, RECORD_STAGES)
-        if final_ok:
-            tl.store(head_base + final * stride_s_blk + tile, state, mask=mask_tile)
+        pid_v = tl.program_id(0)
+        b = tl.program_id(1)
+        # int64: a stacked cache passes 2**31 elements from about 274 blocks (16
+        # layers, 32 heads, K = V = 128), and the layer stride is an int32 argument.
+        layer = (tl.program_id(2) // NUM_HEADS).to(tl.int64)
+        h = tl.program_id(2) % NUM_HEADS
+        commit, row, final_col, boundary_col, recovery = _plan(
+            b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, computed_ptr,
+            pending_ptr + layer * stride_p_layer, num_blocks, num_rows, bt_cols, block_size,
+            stride_accepted, stride_request, stride_state_indices, stride_query_start,
+            stride_computed, stride_p_blk, SPEC_LEN, RECORDS, HAS_REQUEST_INDICES, ALIGN,
+            DEFERRED, FLUSH)
+        source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+        final, boundary = _fold_targets(block_table_ptr, row, final_col, boundary_col, commit,
+                                        source, stride_bt_row, stride_bt_col, ALIGN)
+        if _folds(commit, boundary_col, final, source, boundary, num_blocks, SPEC_LEN, RECORDS,
+                  DEFERRED):
+            _fold_tile(state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr, layer, h,
+                       pid_v, commit, source, final, boundary, recovery, num_blocks, lower_bound,
+                       stride_s_layer, stride_s_blk, stride_s_head, stride_s_v, stride_s_k,
+                       stride_c_layer, stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
+                       stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok,
+                       stride_kg_dim, stride_A_layer, stride_A_head, stride_dt_layer,
+                       stride_dt_head, stride_dt_dim, K, V, BK, BV, USE_LOWER_BOUND, ALIGN,
+                       RECORD_STAGES)
 
 
 @triton.jit
@@ -342,7 +476,7 @@ def plan_launch_args(num_accepted_tokens, request_indices, state_indices, query_
 
 def commit_state_launch(key_dim, value_dim, num_heads, spec_len, use_lower_bound,
                         has_request_indices, align, pdl, records=None, deferred=False,
-                        flush=False):
+                        flush=False, listed=False):
     """The state fold's (kernel, constexprs, num_warps); tools/kernel_resources.py
     compiles exactly this. `spec_len` is T, `records` the records' positions
     (default T)."""
@@ -352,7 +486,14 @@ def commit_state_launch(key_dim, value_dim, num_heads, spec_len, use_lower_bound
         NUM_HEADS=num_heads, SPEC_LEN=spec_len, USE_LOWER_BOUND=use_lower_bound,
         HAS_REQUEST_INDICES=has_request_indices, ALIGN=align, RECORD_STAGES=record_stages,
         RECORDS=spec_len if records is None else records, DEFERRED=deferred, FLUSH=flush,
-        PDL=pdl), warps
+        PDL=pdl, LISTED=listed, V_TILES=triton.cdiv(value_dim, block_v)), warps
+
+
+def fold_plan_launch(spec_len, records, has_request_indices, align, pdl):
+    """The deferred commit's fold plan: (kernel, constexprs, num_warps)."""
+    return _fold_plan_kernel, dict(
+        SPEC_LEN=spec_len, RECORDS=records, HAS_REQUEST_INDICES=has_request_indices, ALIGN=align,
+        BLOCK=FOLD_PLAN_BLOCK, PDL=pdl), FOLD_PLAN_WARPS
 
 
 def _pending_strides(pending, stacked):
@@ -382,16 +523,32 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
                  ALIGN=plan.align, RECORDS=records)
     K, V = dims.key_dim, dims.value_dim
     launch = dependent_launch(state, plan.batch)
+    listed = deferred and listed_folds(plan.batch, spec_len, records)
     kernel, constexprs, warps = commit_state_launch(
         K, V, dims.num_heads, spec_len, lower_bound is not None,
-        request_indices is not None, plan.align, launch["PDL"], records, deferred)
-    grid = (triton.cdiv(V, constexprs["BV"]), plan.batch, dims.num_layers * dims.num_heads)
+        request_indices is not None, plan.align, launch["PDL"], records, deferred, listed=listed)
+    v_tiles = triton.cdiv(V, constexprs["BV"])
+    num_pairs = dims.num_layers * plan.batch
+    if listed:
+        fold_plan = torch.empty((num_pairs + 1) * PLAN_ROW.value, dtype=torch.int32,
+                                device=state.device)
+        kernel_plan, constexprs_plan, warps_plan = fold_plan_launch(
+            spec_len, records, request_indices is not None, plan.align, launch["PDL"])
+        wrap_triton(kernel_plan)[(1,)](
+            fold_plan, *pointers, counts, dims.num_blocks, *scalars, plan.batch, num_pairs,
+            *strides, *pending_strides, **constexprs_plan, num_warps=warps_plan,
+            **launch_options(launch))
+        grid = (fold_programs(state),)
+    else:
+        fold_plan = state_indices  # unread
+        grid = (v_tiles, plan.batch, dims.num_layers * dims.num_heads)
     wrap_triton(kernel)[grid](
         state, correction, key_gate, A_log, dt_bias, *pointers, counts,
         dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides, *pending_strides,
         *layer_strides(state, dims.stacked), *layer_strides(correction, dims.stacked),
         *layer_strides(key_gate, dims.stacked),
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),
+        fold_plan, num_pairs,
         **constexprs, num_warps=warps, **launch_options(launch),
     )
     if conv_state is not None:
@@ -432,6 +589,7 @@ def launch_flush(state_indices, state, correction, key_gate, pending, A_log, dt_
         *layer_strides(state, dims.stacked), *layer_strides(correction, dims.stacked),
         *layer_strides(key_gate, dims.stacked),
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),
+        state_indices, 0,
         **constexprs, num_warps=warps, **launch_options(launch),
     )
     wrap_triton(_pending_counts_kernel)[(batch, dims.num_layers)](

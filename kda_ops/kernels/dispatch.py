@@ -85,6 +85,8 @@ class KernelChoices:
         against 87 / 87 / 134 µs at T = 2 / 4 / 8).
     link_on_tensor_cores: the two-kernel form's token links (default from
         LINK_ON_TENSOR_CORES_FROM_LEN).
+    listed_folds: whether the deferred commit plans its folds first (default
+        from LISTED_FOLDS_FROM_BATCH).
     cheap_tf32_split: the two-kernel form splits its 3xTF32 operands with an
         integer add and a mask (1-5% faster at T = 4) rather than Triton's tf32x3.
     """
@@ -94,6 +96,7 @@ class KernelChoices:
     prefetch_state: bool = True
     link_on_tensor_cores: Optional[bool] = None
     cheap_tf32_split: bool = True
+    listed_folds: Optional[bool] = None
 
 
 _choices: contextvars.ContextVar = contextvars.ContextVar("kda_ops_kernel_choices",
@@ -215,6 +218,37 @@ def conv_config(dim):
     channels per thread (256 / 2, 512 / 4, 1024 / 8 within 6% of each other
     from B = 8; eight per thread took 36-56% longer from B = 128)."""
     return min(triton.next_power_of_2(dim), 256), 2
+
+
+# The deferred commit first plans which (layer, request) pairs fold now, then folds
+# their tiles in a persistent grid, from this batch (H100, T = 4, R = 12, 16 layers: a
+# commit without a fold 8.3 against 20.8 µs at B = 16, 8.5 against 80.3 at B = 64; at
+# B = 8 8.2 against 11.0 µs, but a folding one 222.7 against 206.2) ...
+LISTED_FOLDS_FROM_BATCH = 16
+# ... where more than two windows fit in the records, R > 2T: a fold takes about 5%
+# longer there (B = 64: 1701 against 1613 µs), so the step took 1.4-3.3% less at T = 4,
+# R = 12 (B = 16 to 256, a = 0.7 and 1) but 1.8-2.6% more at T = 8, R = 12.
+LISTED_FOLDS_ABOVE_WINDOWS = 2
+# One-warp fold programs per multiprocessor: 255 registers each (ptxas, Triton 3.6).
+FOLD_PROGRAMS_PER_SM = 8
+
+
+def listed_folds(batch, spec_len, records):
+    """Whether the deferred commit over `batch` requests folds from a plan of
+    the folding pairs. A symbolic batch does, where the records allow it,
+    unless its range is below the threshold: no guard on the batch."""
+    choice = _choices.get().listed_folds
+    if choice is not None:
+        return choice
+    return (records > LISTED_FOLDS_ABOVE_WINDOWS * spec_len
+            and not statically_known_true(batch < LISTED_FOLDS_FROM_BATCH))
+
+
+def fold_programs(t):
+    """Programs of the persistent fold grid on `t`'s device."""
+    if not t.is_cuda:
+        return 4
+    return torch.cuda.get_device_properties(t.device).multi_processor_count * FOLD_PROGRAMS_PER_SM
 
 
 def dependent_launch(t, batch):
