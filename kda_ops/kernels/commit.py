@@ -118,9 +118,9 @@ def _fold_plan_kernel(
             stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
             stride_computed, pending_ptr + layer.to(tl.int64) * stride_p_layer, stride_p_blk,
             num_rows, num_blocks, bt_cols, block_size, RECORDS, HAS_REQUEST_INDICES, ALIGN)
-        source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
-        final, boundary = _fold_targets(block_table_ptr, row, final_col, boundary_col, total,
-                                        source, stride_bt_row, stride_bt_col, ALIGN)
+        source, final, boundary = _plan_blocks(
+            b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
+            boundary_col, total, stride_bt_row, stride_bt_col, ALIGN)
         folds = (_folds(total, boundary_col, final, source, boundary, num_blocks, SPEC_LEN,
                         RECORDS, True) & in_range).to(tl.int32)
         at = fold_plan_ptr + (listed + tl.cumsum(folds, 0) - folds) * PLAN_ROW
@@ -136,11 +136,13 @@ def _fold_plan_kernel(
 
 
 @triton.jit
-def _fold_targets(block_table_ptr, row, final_col, boundary_col, count, source, stride_bt_row,
-                  stride_bt_col, ALIGN: tl.constexpr):
-    """(final, boundary) blocks of a plan: in align mode from the block table
-    (see commit_plan_row for why the lookups stay out of the plan), else the
-    checkpoint's own block and none."""
+def _plan_blocks(b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
+                 boundary_col, count, stride_bt_row, stride_bt_col, ALIGN: tl.constexpr):
+    """(source, final, boundary) blocks of request `b`'s plan: its checkpoint,
+    and in align mode the block-table entries of the plan's columns (NULL_BLOCK
+    where none), else the checkpoint again and none. The lookups stay in the
+    kernel body: see commit_plan_row."""
+    source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
     if ALIGN:
         table_row = block_table_ptr + row * stride_bt_row
         final = tl.load(table_row + final_col * stride_bt_col, mask=count > 0,
@@ -150,7 +152,7 @@ def _fold_targets(block_table_ptr, row, final_col, boundary_col, count, source, 
     else:
         final = source
         boundary = tl.zeros_like(source)
-    return final, boundary
+    return source, final, boundary
 
 
 @triton.jit
@@ -290,9 +292,9 @@ def _commit_state_kernel(
             stride_accepted, stride_request, stride_state_indices, stride_query_start,
             stride_computed, stride_p_blk, SPEC_LEN, RECORDS, HAS_REQUEST_INDICES, ALIGN,
             DEFERRED, FLUSH)
-        source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
-        final, boundary = _fold_targets(block_table_ptr, row, final_col, boundary_col, commit,
-                                        source, stride_bt_row, stride_bt_col, ALIGN)
+        source, final, boundary = _plan_blocks(
+            b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
+            boundary_col, commit, stride_bt_row, stride_bt_col, ALIGN)
         if _folds(commit, boundary_col, final, source, boundary, num_blocks, SPEC_LEN, RECORDS,
                   DEFERRED):
             _fold_tile(state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr, layer, h,
@@ -343,17 +345,9 @@ def _commit_conv_kernel(
             SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
         )
         total = commit
-    # Block lookups stay in the kernel body: see commit_plan_row.
-    source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
-    if ALIGN:
-        table_row = block_table_ptr + row * stride_bt_row
-        final = tl.load(table_row + final_col * stride_bt_col, mask=total > 0,
-                        other=NULL_BLOCK).to(tl.int64)
-        boundary = tl.load(table_row + boundary_col * stride_bt_col, mask=boundary_col >= 0,
-                           other=NULL_BLOCK).to(tl.int64)
-    else:
-        final = source
-        boundary = tl.zeros_like(source)
+    source, final, boundary = _plan_blocks(
+        b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
+        boundary_col, total, stride_bt_row, stride_bt_col, ALIGN)
     if DEFERRED:  # a fold left for later keeps the history in the source block
         fold = folds_now(total, boundary_col, final, source, SPEC_LEN, RECORDS)
         final = tl.where(fold, final, source)
@@ -414,17 +408,9 @@ def _pending_counts_kernel(
             stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
             stride_computed, counts, stride_p_blk, num_rows, num_blocks, bt_cols, block_size,
             RECORDS, HAS_REQUEST_INDICES, ALIGN)
-        # Block lookups stay in the kernel body: see commit_plan_row.
-        source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
-        if ALIGN:
-            table_row = block_table_ptr + row * stride_bt_row
-            final = tl.load(table_row + final_col * stride_bt_col, mask=total > 0,
-                            other=NULL_BLOCK).to(tl.int64)
-            boundary = tl.load(table_row + boundary_col * stride_bt_col, mask=boundary_col >= 0,
-                               other=NULL_BLOCK).to(tl.int64)
-        else:
-            final = source
-            boundary = tl.zeros_like(source)
+        source, final, boundary = _plan_blocks(
+            b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
+            boundary_col, total, stride_bt_row, stride_bt_col, ALIGN)
         if folds_now(total, boundary_col, final, source, SPEC_LEN, RECORDS):
             tl.store(counts + source * stride_p_blk, 0)
             if block_is_valid(boundary, num_blocks):
@@ -527,7 +513,6 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
     kernel, constexprs, warps = commit_state_launch(
         K, V, dims.num_heads, spec_len, lower_bound is not None,
         request_indices is not None, plan.align, launch["PDL"], records, deferred, listed=listed)
-    v_tiles = triton.cdiv(V, constexprs["BV"])
     num_pairs = dims.num_layers * plan.batch
     if listed:
         fold_plan = torch.empty((num_pairs + 1) * PLAN_ROW.value, dtype=torch.int32,
@@ -541,7 +526,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         grid = (fold_programs(state),)
     else:
         fold_plan = state_indices  # unread
-        grid = (v_tiles, plan.batch, dims.num_layers * dims.num_heads)
+        grid = (constexprs["V_TILES"], plan.batch, dims.num_layers * dims.num_heads)
     wrap_triton(kernel)[grid](
         state, correction, key_gate, A_log, dt_bias, *pointers, counts,
         dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides, *pending_strides,
@@ -617,17 +602,9 @@ def _commit_plan_kernel(
         computed_ptr, stride_computed, num_rows, bt_cols, block_size,
         SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
     )
-    # Block lookups stay in the kernel body: see commit_plan_row.
-    source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
-    if ALIGN:
-        table_row = block_table_ptr + row * stride_bt_row
-        final = tl.load(table_row + final_col * stride_bt_col, mask=commit > 0,
-                        other=NULL_BLOCK).to(tl.int64)
-        boundary = tl.load(table_row + boundary_col * stride_bt_col, mask=boundary_col >= 0,
-                           other=NULL_BLOCK).to(tl.int64)
-    else:
-        final = source
-        boundary = tl.zeros_like(source)
+    source, final, boundary = _plan_blocks(
+        b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
+        boundary_col, commit, stride_bt_row, stride_bt_col, ALIGN)
     tl.store(commit_out_ptr + b, commit.to(tl.int32))
     tl.store(final_out_ptr + b, int32_or_null(tl.where(commit > 0, final, NULL_BLOCK)))
     tl.store(boundary_out_ptr + b, int32_or_null(boundary))
