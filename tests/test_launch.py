@@ -41,20 +41,20 @@ def test_traced_launch_adds_no_guard_on_the_batch():
 
 
 def test_listed_folds_policy_adds_no_guard_on_the_batch():
-    """The deferred commit plans its folds first from the threshold batch and
-    where more than two windows fit in the records; a symbolic batch takes the
-    plan without a guard (the compiled graph serves every batch)."""
+    """The deferred commit plans its folds first from the threshold batch; a
+    symbolic batch takes the plan without a guard (the compiled graph serves
+    every batch)."""
     from_batch = dispatch.LISTED_FOLDS_FROM_BATCH
-    assert dispatch.listed_folds(from_batch, 4, 12)
-    assert not dispatch.listed_folds(from_batch - 1, 4, 12)
-    assert not dispatch.listed_folds(from_batch, 4, 8)  # R = 2T
-    assert not dispatch.listed_folds(256, 8, 12)
+    assert dispatch.listed_folds(from_batch)
+    assert not dispatch.listed_folds(from_batch - 1)
     with kernel_choices(listed_folds=True):
-        assert dispatch.listed_folds(1, 8, 12)
+        assert dispatch.listed_folds(1)
+    with kernel_choices(listed_folds=False):
+        assert not dispatch.listed_folds(256)
     shape_env = ShapeEnv()
     symbol = shape_env.create_symbol(4, ConstantSource("batch"), dynamic_dim=DimDynamic.DYNAMIC)
     batch = shape_env.create_symintnode(symbol, hint=4)
-    assert dispatch.listed_folds(batch, 4, 12)
+    assert dispatch.listed_folds(batch)
     assert shape_env.guards == []
 
 

@@ -104,7 +104,7 @@ def _fold_plan_kernel(
 ):
     """One program: a row (layer, count, source, final, boundary, recovery) for
     each (layer, request) pair whose deferred commit folds now, in order, then
-    their number in row `num_pairs`."""
+    in row `num_pairs` their number and the fold's claims counter, zeroed."""
     wait_for_previous_kernel(PDL)
     listed = tl.full([], 0, tl.int32)
     for start in range(0, num_pairs, BLOCK):
@@ -133,6 +133,7 @@ def _fold_plan_kernel(
         tl.store(at + 5, recovery.to(tl.int32), mask=listing)
         listed += tl.sum(folds, 0)
     tl.store(fold_plan_ptr + num_pairs * PLAN_ROW, listed)
+    tl.store(fold_plan_ptr + num_pairs * PLAN_ROW + 1, 0)
 
 
 @triton.jit
@@ -254,19 +255,23 @@ def _commit_state_kernel(
     `recovery` of them, in align mode): immediately the accepted ones; deferred
     all pending ones where the plan folds now (SPEC_LEN is then T and RECORDS
     R); on a flush every pending one. A program per tile, or with LISTED a
-    persistent grid over the tiles of the rows `_fold_plan_kernel` wrote."""
+    persistent grid whose programs claim the tiles of the rows
+    `_fold_plan_kernel` wrote one at a time."""
     wait_for_previous_kernel(PDL)
     lower_bound = tl.cast(lower_bound, tl.float32)  # fp64 when launched by Inductor
     if LISTED:
         tiles = NUM_HEADS * V_TILES  # per listed pair
         items = tl.load(fold_plan_ptr + num_pairs * PLAN_ROW) * tiles
-        first = tl.program_id(0)
+        # Programs claim items one by one from a counter: a static share was
+        # 5% slower than a program per tile (the slowest program set the end).
+        claims = fold_plan_ptr + num_pairs * PLAN_ROW + 1
+        item = tl.atomic_add(claims, 1, sem="relaxed")
         layer, commit, source, final, boundary, recovery = _plan_row_entries(
-            fold_plan_ptr + (first // tiles) * PLAN_ROW, first < items)
-        for item in range(first, items, tl.num_programs(0)):
-            # The next item's row is requested before this tile is folded, so
-            # that its latency hides behind the fold.
-            following = item + tl.num_programs(0)
+            fold_plan_ptr + (item // tiles) * PLAN_ROW, item < items)
+        while item < items:
+            # The next claim and its row are requested before this tile is
+            # folded, so that their latency hides behind the fold.
+            following = tl.atomic_add(claims, 1, sem="relaxed")
             next_entries = _plan_row_entries(fold_plan_ptr + (following // tiles) * PLAN_ROW,
                                              following < items)
             _fold_tile(state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr, layer,
@@ -278,6 +283,7 @@ def _commit_state_kernel(
                        stride_kg_dim, stride_A_layer, stride_A_head, stride_dt_layer,
                        stride_dt_head, stride_dt_dim, K, V, BK, BV, USE_LOWER_BOUND, ALIGN,
                        RECORD_STAGES)
+            item = following
             layer, commit, source, final, boundary, recovery = next_entries
     else:
         pid_v = tl.program_id(0)
@@ -509,7 +515,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
                  ALIGN=plan.align, RECORDS=records)
     K, V = dims.key_dim, dims.value_dim
     launch = dependent_launch(state, plan.batch)
-    listed = deferred and listed_folds(plan.batch, spec_len, records)
+    listed = deferred and listed_folds(plan.batch)
     kernel, constexprs, warps = commit_state_launch(
         K, V, dims.num_heads, spec_len, lower_bound is not None,
         request_indices is not None, plan.align, launch["PDL"], records, deferred, listed=listed)

@@ -223,25 +223,22 @@ def conv_config(dim):
 # The deferred commit first plans which (layer, request) pairs fold now, then folds
 # their tiles in a persistent grid, from this batch (H100, T = 4, R = 12, 16 layers: a
 # commit without a fold 8.3 against 20.8 µs at B = 16, 8.5 against 80.3 at B = 64; at
-# B = 8 8.2 against 11.0 µs, but a folding one 222.7 against 206.2) ...
+# B = 8 8.2 against 11.0 µs, but a folding one 222.7 against 206.2). With every pair
+# folding, the plan's fold took 1588 against 1611 µs at B = 64 and 6341 against 6552 at
+# B = 256, T = 4 and 8.
 LISTED_FOLDS_FROM_BATCH = 16
-# ... where more than two windows fit in the records, R > 2T: a fold takes about 5%
-# longer there (B = 64: 1701 against 1613 µs), so the step took 1.4-3.3% less at T = 4,
-# R = 12 (B = 16 to 256, a = 0.7 and 1) but 1.8-2.6% more at T = 8, R = 12.
-LISTED_FOLDS_ABOVE_WINDOWS = 2
 # One-warp fold programs per multiprocessor: 255 registers each (ptxas, Triton 3.6).
 FOLD_PROGRAMS_PER_SM = 8
 
 
-def listed_folds(batch, spec_len, records):
+def listed_folds(batch):
     """Whether the deferred commit over `batch` requests folds from a plan of
-    the folding pairs. A symbolic batch does, where the records allow it,
-    unless its range is below the threshold: no guard on the batch."""
+    the folding pairs. A symbolic batch does unless its range is below the
+    threshold: no guard on the batch."""
     choice = _choices.get().listed_folds
     if choice is not None:
         return choice
-    return (records > LISTED_FOLDS_ABOVE_WINDOWS * spec_len
-            and not statically_known_true(batch < LISTED_FOLDS_FROM_BATCH))
+    return not statically_known_true(batch < LISTED_FOLDS_FROM_BATCH)
 
 
 def fold_programs(t):
