@@ -221,11 +221,11 @@ def conv_config(dim):
 
 
 # The deferred commit first plans which (layer, request) pairs fold now, then folds
-# their tiles in a persistent grid, from this batch (H100, T = 4, R = 12, 16 layers: a
-# commit without a fold 8.3 against 20.8 µs at B = 16, 8.5 against 80.3 at B = 64; at
-# B = 8 8.2 against 11.0 µs, but a folding one 222.7 against 206.2). With every pair
-# folding, the plan's fold took 1588 against 1611 µs at B = 64 and 6341 against 6552 at
-# B = 256, T = 4 and 8.
+# their tiles in a persistent grid, from this batch (H100, R = 12, 16 layers: a commit
+# without a fold 6.7 + 2.2 against 20.9 µs at B = 16, 6.8 + 2.2 against 80.3 at B = 64;
+# every pair folding at T = 4, 1588 against 1611 µs at B = 64, 6341 against 6552 at B =
+# 256, and alike at T = 8; at B = 8, with a static share of the tiles, 8.2 against 11.0
+# µs without a fold but 222.7 against 206.2 folding).
 LISTED_FOLDS_FROM_BATCH = 16
 # One-warp fold programs per multiprocessor: 255 registers each (ptxas, Triton 3.6).
 FOLD_PROGRAMS_PER_SM = 8
