@@ -7,13 +7,22 @@ op, the reference model, and the renderer of captured graphs.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import random
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from kda_ops.models import KDACaches, KDADecodeStep, make_step_inputs
+
+try:
+    import fcntl
+except ImportError:  # no POSIX file locks: the test processes do not take turns
+    fcntl = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -46,9 +55,52 @@ def tiny_model(device, *, seed=0, cache_seed=1, **overrides) -> KDADecodeStep:
     return model
 
 
+# A test that draws caches of LARGE_STATE_BYTES held up to 17.6 GiB of GPU memory with
+# its copies (an out-of-memory report); eight at once overflowed an 80 GB H100. So the test
+# processes sharing a GPU take turns: the first large_cache_model of a test waits for one
+# of GPU memory // LARGE_TEST_GPU_BYTES slots (a lock file each), and the test's teardown
+# (conftest.py) frees the memory and gives the slot back.
+LARGE_TEST_GPU_BYTES = 20 << 30
+_LOCK_STEM = Path(tempfile.gettempdir()) / "kda_ops_compile_tests_large_caches"
+_held_slot = None
+
+
+def _take_large_caches_turn():
+    global _held_slot
+    if fcntl is None or _held_slot is not None:
+        return
+    count = max(1, torch.cuda.get_device_properties(0).total_memory // LARGE_TEST_GPU_BYTES)
+    while True:
+        for slot in range(count):
+            lock = open(f"{_LOCK_STEM}.{slot}.lock", "a")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                continue
+            _held_slot = lock
+            return
+        time.sleep(0.2)
+
+
+def end_large_caches_turn():
+    """Frees this process's cached GPU memory and lets the next large test
+    start; a no-op where the test drew no large caches."""
+    global _held_slot
+    if _held_slot is None:
+        return
+    gc.collect()
+    torch.cuda.empty_cache()
+    fcntl.flock(_held_slot, fcntl.LOCK_UN)
+    _held_slot.close()
+    _held_slot = None
+
+
 def large_cache_model(device, num_layers, *, seed=0, cache_seed=1, **overrides) -> KDADecodeStep:
     """The tiny model with as many blocks as make its stacked state at least
-    LARGE_STATE_BYTES, its caches drawn on the device (random, never zero)."""
+    LARGE_STATE_BYTES, its caches drawn on the device (random, never zero).
+    The test then holds a large-caches slot (LARGE_TEST_GPU_BYTES)."""
+    _take_large_caches_turn()
     config = {**TINY, **overrides, "num_layers": num_layers}
     head_dim = config["head_dim"]
     state_dtype = config.get("state_dtype", torch.float32)
