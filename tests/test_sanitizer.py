@@ -1,0 +1,37 @@
+"""compute-sanitizer over the deferred schedule's CUDA tests: every verify
+form with pending records, the deferred commit in both its forms (a program
+per tile; the fold plan, whose persistent programs claim tiles from a
+counter), flush and align mode, in a process of their own."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import requires_cuda
+
+TESTS = Path(__file__).parent
+# The CUDA tests it runs: in test_verify.py those with pending records, in
+# test_deferred.py all of them (the 200-step runs included).
+SELECTION = [str(TESTS / "test_verify.py"), str(TESTS / "test_deferred.py"),
+             "-k", "cuda and (pending or deferred)"]
+
+
+@requires_cuda
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None,
+                    reason="compute-sanitizer (CUDA toolkit) is not on PATH")
+def test_deferred_kernels_under_memcheck():
+    """memcheck finds no access outside an allocation (every tensor its own
+    allocation: PyTorch's caching allocator off), and the tests still pass
+    under it."""
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    proc = subprocess.run(
+        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", sys.executable,
+         "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *SELECTION],
+        capture_output=True, text=True, env=env, timeout=1200, cwd=TESTS.parent)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "ERROR SUMMARY: 0 errors" in output, output[-4000:]
+    assert " passed" in output and "skipped" not in output, output[-2000:]
