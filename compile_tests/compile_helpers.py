@@ -65,11 +65,11 @@ _LOCK_STEM = Path(tempfile.gettempdir()) / "kda_ops_compile_tests_large_caches"
 _held_slot = None
 
 
-def _take_large_caches_turn():
+def _take_large_caches_turn(device):
     global _held_slot
-    if fcntl is None or _held_slot is not None:
+    if fcntl is None or _held_slot is not None or torch.device(device).type != "cuda":
         return
-    count = max(1, torch.cuda.get_device_properties(0).total_memory // LARGE_TEST_GPU_BYTES)
+    count = max(1, torch.cuda.get_device_properties(device).total_memory // LARGE_TEST_GPU_BYTES)
     while True:
         for slot in range(count):
             lock = open(f"{_LOCK_STEM}.{slot}.lock", "a")
@@ -99,8 +99,8 @@ def end_large_caches_turn():
 def large_cache_model(device, num_layers, *, seed=0, cache_seed=1, **overrides) -> KDADecodeStep:
     """The tiny model with as many blocks as make its stacked state at least
     LARGE_STATE_BYTES, its caches drawn on the device (random, never zero).
-    The test then holds a large-caches slot (LARGE_TEST_GPU_BYTES)."""
-    _take_large_caches_turn()
+    On CUDA the test then holds a large-caches slot (LARGE_TEST_GPU_BYTES)."""
+    _take_large_caches_turn(device)
     config = {**TINY, **overrides, "num_layers": num_layers}
     head_dim = config["head_dim"]
     state_dtype = config.get("state_dtype", torch.float32)
