@@ -13,7 +13,10 @@ import torch
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+# Converted on load, so any floating dtype will do.
+GATE_DTYPES = ACTIVATION_DTYPES + (torch.float64,)
 INDEX_DTYPES = (torch.int32, torch.int64)
+FLOAT64 = (torch.float64,)
 
 
 def fail(name: str, message: str) -> None:
@@ -34,7 +37,7 @@ def _is_float(value):
 
 
 def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None, written=False,
-                 inner_dims=None):
+                 inner_dims=None, dtype_hint=""):
     """Checks one tensor; `shape` entries of None match any size. A `written`
     tensor must not overlap itself (an expanded view would take one element's
     writes from several programs in an undefined order). The kernels index
@@ -53,7 +56,7 @@ def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None, wr
             expected = tuple("*" if s is None else s for s in shape)
             fail(name, f"must have shape {expected}, got {_shape(t)}")
     if dtypes is not None and t.dtype not in dtypes:
-        fail(name, f"must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+        fail(name, f"must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}{dtype_hint}")
     if device is not None and t.device != device:
         fail(name, f"must be on {device} like the other tensors, got {t.device}")
     if written and overlaps_itself(t):
@@ -99,9 +102,8 @@ def _gate_params(A_log, dt_bias, num_heads, key_dim, device, num_layers=None):
     """A_log `[H]` / dt_bias `[H, K]` or `[H*K]`; with layers, `[L, H]` and
     `[L, H, K]` (or `[L, H*K]`)."""
     lead = () if num_layers is None else (num_layers,)
-    check_tensor("A_log", A_log, shape=lead + (num_heads,), dtypes=ACTIVATION_DTYPES,
-                 device=device)
-    check_tensor("dt_bias", dt_bias, dtypes=ACTIVATION_DTYPES, device=device)
+    check_tensor("A_log", A_log, shape=lead + (num_heads,), dtypes=GATE_DTYPES, device=device)
+    check_tensor("dt_bias", dt_bias, dtypes=GATE_DTYPES, device=device)
     if _shape(dt_bias) not in (lead + (num_heads, key_dim), lead + (num_heads * key_dim,)):
         fail("dt_bias", f"must have shape {lead + (num_heads, key_dim)} or "
               f"{lead + (num_heads * key_dim,)}, got {_shape(dt_bias)}")
@@ -134,11 +136,30 @@ def _request_metadata(query_start_loc, state_indices, device):
     return batch
 
 
-def _correction_is_float32(correction):
-    if isinstance(correction, torch.Tensor) and correction.dtype != torch.float32:
+def _correction_dtype(correction, origin):
+    if origin is not None:
+        check_tensor("correction", correction, dtypes=FLOAT64,
+                     dtype_hint=_dtypes(origin, FLOAT64)[1])
+    elif isinstance(correction, torch.Tensor) and correction.dtype != torch.float32:
         fail("correction", f"must have dtype torch.float32, got {correction.dtype} (a "
               f"module.to(dtype) converts buffers: keep the correction float32, see "
               f"docs/integration.md#7-caches-in-a-model-dtypes-and-gradients)")
+
+
+def _float64_origin(**tensors):
+    """The name of the first float64 tensor, or None. A call with one runs in
+    float64, and every floating tensor but the gate parameters must be float64."""
+    return next((name for name, t in tensors.items()
+                 if isinstance(t, torch.Tensor) and t.dtype == torch.float64), None)
+
+
+def _dtypes(origin, dtypes):
+    """(allowed dtypes, hint) for a floating tensor of a call that runs in
+    float64 because of tensor `origin`, or not (origin None)."""
+    if origin is None:
+        return dtypes, ""
+    return FLOAT64, (f" (`{origin}` is float64, and a call in float64 has every tensor but "
+                     f"A_log and dt_bias in float64: docs/semantics.md#12-float64)")
 
 
 @dataclass(frozen=True)
@@ -151,6 +172,7 @@ class VerifyDims:
     spec_len: int  # the records' positions, R
     batch: int
     window_len: int  # the longest window, T <= R
+    float64: bool  # runs the PyTorch path in float64
 
 
 def _check_window_len(window_len, pending, positions):
@@ -173,7 +195,9 @@ def _check_window_len(window_len, pending, positions):
 def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                  query_start_loc, state_indices, lower_bound, out, pending=None,
                  window_len=None) -> VerifyDims:
-    check_tensor("q", q, dtypes=ACTIVATION_DTYPES, inner_dims=2)
+    origin = _float64_origin(state=state, q=q)
+    activation_dtypes, hint = _dtypes(origin, ACTIVATION_DTYPES)
+    check_tensor("q", q, dtypes=activation_dtypes, inner_dims=2, dtype_hint=hint)
     device = q.device
     num_tokens, num_heads, key_dim = _token_view("q", q, 3)
     _has_features("q", q, key_dim)
@@ -187,18 +211,20 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         fail("v", f"must have shape {_shape(q)[:-1] + ('V',)}, got {_shape(v)}")
     value_dim = v_shape[2]
     _has_features("v", v, value_dim)
-    check_tensor("beta", beta, dtypes=ACTIVATION_DTYPES, device=device, inner_dims=1)
+    check_tensor("beta", beta, dtypes=activation_dtypes, device=device, inner_dims=1,
+                 dtype_hint=hint)
     if beta.dim() != q.dim() - 1 or _token_view("beta", beta, 2) != (num_tokens, num_heads):
         fail("beta", f"must have shape {_shape(q)[:-1]}, got {_shape(beta)}")
     _gate_params(A_log, dt_bias, num_heads, key_dim, device)
 
     check_tensor("state", state, shape=(None, num_heads, value_dim, key_dim),
-                 dtypes=STATE_DTYPES, device=device, inner_dims=3)
+                 dtypes=_dtypes(origin, STATE_DTYPES)[0], device=device, inner_dims=3,
+                 dtype_hint=hint)
     num_blocks = state.shape[0]
     _has_null_block("state", state, num_blocks)
-    _correction_is_float32(correction)
+    _correction_dtype(correction, origin)
     check_tensor("correction", correction, shape=(num_blocks, num_heads, None, value_dim),
-                 dtypes=(torch.float32,), device=device, written=True, inner_dims=3)
+                 device=device, written=True, inner_dims=3)
     spec_len = correction.shape[2]
     if spec_len < 1:
         fail("correction", f"must hold at least one token per window, got shape "
@@ -213,7 +239,7 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     window_len = _check_window_len(window_len, pending, spec_len)
     check_lower_bound(lower_bound)
     return VerifyDims(num_tokens, num_heads, key_dim, value_dim, num_blocks, spec_len, batch,
-                      window_len)
+                      window_len, origin is not None)
 
 
 def check_lower_bound(lower_bound):
@@ -281,13 +307,17 @@ class CommitDims:
     spec_len: int
     conv_dim: int
     conv_history: int
+    float64: bool  # runs the PyTorch path in float64
 
 
 def _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound):
     """The caches and gate parameters that commit and flush take, stacked
     `[L, N, ...]` or one layer's. Returns (device, stacked, lead dims, layers,
-    blocks, heads, V, K, record positions)."""
-    check_tensor("state", state, ndim=(4, 5), dtypes=STATE_DTYPES, written=True, inner_dims=3)
+    blocks, heads, V, K, record positions, float64)."""
+    origin = _float64_origin(state=state)
+    activation_dtypes, hint = _dtypes(origin, ACTIVATION_DTYPES)
+    check_tensor("state", state, ndim=(4, 5), dtypes=_dtypes(origin, STATE_DTYPES)[0],
+                 written=True, inner_dims=3)
     device = state.device
     stacked = state.dim() == 5
     lead = tuple(state.shape[:1]) if stacked else ()
@@ -295,20 +325,20 @@ def _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound
     num_blocks, num_heads, value_dim, key_dim = state.shape[-4:]
     _has_features("state", state, value_dim, key_dim)
     _has_null_block("state", state, num_blocks)
-    _correction_is_float32(correction)
+    _correction_dtype(correction, origin)
     check_tensor("correction", correction, shape=lead + (num_blocks, num_heads, None, value_dim),
-                 dtypes=(torch.float32,), device=device, inner_dims=3)
+                 device=device, inner_dims=3)
     positions = correction.shape[-2]
     if positions < 1:
         fail("correction", f"must hold at least one token per window, got shape "
              f"{_shape(correction)}")
     check_tensor("key_gate", key_gate, shape=lead + (num_blocks, num_heads, positions, 2 * key_dim),
-                 dtypes=ACTIVATION_DTYPES, device=device, inner_dims=3)
+                 dtypes=activation_dtypes, device=device, inner_dims=3, dtype_hint=hint)
     _gate_params(A_log, dt_bias, num_heads, key_dim, device,
                  num_layers=num_layers if stacked else None)
     check_lower_bound(lower_bound)
     return (device, stacked, lead, num_layers, num_blocks, num_heads, value_dim, key_dim,
-            positions)
+            positions, origin is not None)
 
 
 def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
@@ -318,15 +348,18 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
     """With `pending`, the deferred schedule: `window_len` (T) is required and
     the records hold `spec_len` = R >= T positions."""
     (device, stacked, lead, num_layers, num_blocks, num_heads, value_dim, key_dim,
-     spec_len) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound)
+     spec_len, float64) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias,
+                                              lower_bound)
     if pending is not None:
         check_tensor("pending", pending, shape=lead + (num_blocks,), dtypes=INDEX_DTYPES,
                      device=device, written=True)
     window_len = _check_window_len(window_len, pending, spec_len)
     conv_dim, conv_history = 0, 0
     if conv_state is not None:
+        conv_dtypes, hint = _dtypes("state" if float64 else None, ACTIVATION_DTYPES)
         check_tensor("conv_state", conv_state, shape=lead + (num_blocks, None, None),
-                     dtypes=ACTIVATION_DTYPES, device=device, written=True, inner_dims=2)
+                     dtypes=conv_dtypes, device=device, written=True, inner_dims=2,
+                     dtype_hint=hint)
         conv_dim = conv_state.shape[-2]
         _has_features("conv_state", conv_state, conv_dim)
         conv_history = conv_state.shape[-1] - (window_len - 1)
@@ -336,7 +369,7 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
     plan = check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                       request_indices, block_table, num_computed_tokens, block_size, device)
     dims = CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, spec_len,
-                      conv_dim, conv_history)
+                      conv_dim, conv_history, float64)
     return dims, plan
 
 
@@ -356,21 +389,25 @@ class ConvDims:
     spec_len: int
     num_blocks: int
     batch: int
+    float64: bool  # runs the PyTorch path in float64
 
 
 def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
                       out) -> ConvDims:
-    check_tensor("x", x, ndim=2, dtypes=ACTIVATION_DTYPES, inner_dims=1)
+    origin = _float64_origin(x=x, conv_state=conv_state)
+    dtypes, hint = _dtypes(origin, ACTIVATION_DTYPES)
+    check_tensor("x", x, ndim=2, dtypes=dtypes, inner_dims=1, dtype_hint=hint)
     device = x.device
     num_tokens, dim = x.shape
     _has_features("x", x, dim)
-    check_tensor("conv_state", conv_state, shape=(None, dim, None), dtypes=ACTIVATION_DTYPES,
-                 device=device, written=True, inner_dims=2)
+    check_tensor("conv_state", conv_state, shape=(None, dim, None), dtypes=dtypes,
+                 device=device, written=True, inner_dims=2, dtype_hint=hint)
     _has_null_block("conv_state", conv_state, conv_state.shape[0])
     if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[1] == 1:
         fail("weight", f"must have shape ({dim}, W), got {_shape(weight)} (an nn.Conv1d "
               f"weight [D, 1, W]: pass weight.squeeze(1))")
-    check_tensor("weight", weight, shape=(dim, None), dtypes=ACTIVATION_DTYPES, device=device)
+    check_tensor("weight", weight, shape=(dim, None), dtypes=dtypes, device=device,
+                 dtype_hint=hint)
     width = weight.shape[1]
     # The history keeps W-1 >= 1 columns, from which commit drops the oldest.
     if width < 2:
@@ -380,23 +417,25 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
         fail("conv_state", f"must have W-1+T-1 >= {width - 1} columns for W={width} "
               f"(viewed [N, D, W-1+T-1]), got shape {_shape(conv_state)}")
     if bias is not None:
-        check_tensor("bias", bias, shape=(dim,), dtypes=ACTIVATION_DTYPES, device=device)
+        check_tensor("bias", bias, shape=(dim,), dtypes=dtypes, device=device, dtype_hint=hint)
     check_activation(activation)
     batch = _request_metadata(query_start_loc, state_indices, device)
-    check_tensor("out", out, shape=_shape(x), dtypes=ACTIVATION_DTYPES, device=device,
-                 written=True, inner_dims=1)
-    return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch)
+    check_tensor("out", out, shape=_shape(x), dtypes=dtypes, device=device, written=True,
+                 inner_dims=1, dtype_hint=hint)
+    return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch,
+                    origin is not None)
 
 
 def check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,
                 lower_bound) -> CommitDims:
     (device, stacked, lead, num_layers, num_blocks, num_heads, value_dim, key_dim,
-     positions) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound)
+     positions, float64) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias,
+                                               lower_bound)
     check_tensor("pending", pending, shape=lead + (num_blocks,), dtypes=INDEX_DTYPES,
                  device=device, written=True)
     check_tensor("state_indices", state_indices, ndim=1, dtypes=INDEX_DTYPES, device=device)
     return CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, positions,
-                      0, 0)
+                      0, 0, float64)
 
 
 def check_aligned_state_indices(block_table, seq_lens, block_size, num_state_slots):

@@ -57,6 +57,12 @@ def use_triton(t: Tensor) -> bool:
     return needed
 
 
+def runs_triton(t: Tensor, dims) -> bool:
+    """Float64 calls run the PyTorch path on every device: the kernels
+    compute in float32 (docs/semantics.md#12-float64)."""
+    return not dims.float64 and use_triton(t)
+
+
 def opaque_when_functionalized(op):
     """Makes functionalization keep `op` as one node (auto-functionalized: the
     written tensors, views of a stacked cache included, are tracked through
@@ -91,7 +97,7 @@ def verify(
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                         query_start_loc, state_indices, lower_bound, out, pending, spec_len)
     scale = dims.key_dim ** -0.5 if scale is None else scale
-    impl = launch_verify if use_triton(q) else torch_impl.verify
+    impl = launch_verify if runs_triton(q, dims) else torch_impl.verify
     impl(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate, query_start_loc,
          state_indices, lower_bound, scale, out, dims, pending, dims.window_len)
 
@@ -110,7 +116,7 @@ def commit(
                               conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
                               request_indices, block_table, num_computed_tokens, block_size,
                               pending, spec_len)
-    if use_triton(state):
+    if runs_triton(state, dims):
         launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                       correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
                       block_table, num_computed_tokens, block_size, dims, plan, pending, spec_len)
@@ -133,7 +139,7 @@ def flush(
 ) -> None:
     dims = check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,
                        lower_bound)
-    impl = launch_flush if use_triton(state) else torch_impl.flush
+    impl = launch_flush if runs_triton(state, dims) else torch_impl.flush
     impl(state_indices, state, correction, key_gate, pending, A_log, dt_bias, lower_bound, dims)
 
 
@@ -166,7 +172,7 @@ def conv_update(
     # allocates it when not given.
     dims = check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
                              activation, out)
-    impl = launch_conv_update if use_triton(x) else torch_impl.conv_update
+    impl = launch_conv_update if runs_triton(x, dims) else torch_impl.conv_update
     impl(x, conv_state, weight, bias, query_start_loc, state_indices, activation, out, dims)
 
 

@@ -11,9 +11,16 @@ import torch.nn.functional as F
 from .constants import NULL_BLOCK
 
 
+def precision(t):
+    """The arithmetic dtype of a call whose state (or conv input) is `t`:
+    float64 for float64 (docs/semantics.md#12-float64), float32 otherwise."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def kda_gate(raw_g, dt_bias, A_log, lower_bound):
-    x = raw_g.float() + dt_bias.float()
-    a = torch.exp(A_log.float())
+    dtype = precision(raw_g)
+    x = raw_g.to(dtype) + dt_bias.to(dtype)
+    a = torch.exp(A_log.to(dtype))
     if lower_bound is not None:
         return lower_bound * torch.sigmoid(a * x)
     return -a * F.softplus(x, threshold=20.0)
@@ -43,13 +50,13 @@ def _fold_records(S, correction_rows, key_gate_rows, A_log, dt_bias, lower_bound
     (correction_rows [B, H, R, V], key_gate_rows [B, H, R, 2K]) of one layer,
     and the state after `boundary_counts[b]` of them (S itself when None)."""
     key_dim = S.shape[-1]
-    kn = l2_normalize(key_gate_rows[..., :key_dim].float())
+    kn = l2_normalize(key_gate_rows[..., :key_dim].to(S.dtype))
     decay = torch.exp(kda_gate(key_gate_rows[..., key_dim:], dt_bias[:, None],
                                A_log[:, None, None], lower_bound))
     at_boundary = S
     for j in range(correction_rows.shape[2]):
         step = (S * decay[:, :, j, None, :]
-                + correction_rows[:, :, j, :, None].float() * kn[:, :, j, None, :])
+                + correction_rows[:, :, j, :, None].to(S.dtype) * kn[:, :, j, None, :])
         S = torch.where((j < counts).view(-1, 1, 1, 1), step, S)
         if boundary_counts is not None:
             at_boundary = torch.where((j + 1 == boundary_counts).view(-1, 1, 1, 1), S,
@@ -85,14 +92,15 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     def gather(x):
         return _pad_token(x)[token]                                           # [B, R, H, D]
 
+    acc = precision(state)
     raw_k, raw_g = gather(k), gather(g)
-    kn = l2_normalize(raw_k.float())
-    qn = l2_normalize(gather(q).float(), scale)
+    kn = l2_normalize(raw_k.to(acc))
+    qn = l2_normalize(gather(q).to(acc), scale)
     decay = torch.exp(kda_gate(raw_g, dt_bias, A_log[:, None], lower_bound))
-    values = gather(v).float()
-    gain = torch.sigmoid(_pad_token(beta)[token].float())                     # [B, R, H]
+    values = gather(v).to(acc)
+    gain = torch.sigmoid(_pad_token(beta)[token].to(acc))                     # [B, R, H]
 
-    S = state[safe_block].float()                                             # [B, H, V, K]
+    S = state[safe_block].to(acc)                                             # [B, H, V, K]
     old_correction, old_key_gate = correction[safe_block], key_gate[safe_block]
     if pending is not None:
         S, _ = _fold_records(S, old_correction, old_key_gate, A_log, dt_bias, lower_bound, first)
@@ -242,12 +250,13 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_stat
     state5 = _layered(state, dims.stacked)
     corr = _layered(correction, dims.stacked)[:, safe_source]                 # [L, B, H, T, V]
     key_gate_rows = _layered(key_gate, dims.stacked)[:, safe_source]          # [L, B, H, T, 2K]
-    kn = l2_normalize(key_gate_rows[..., :K].float())
+    acc = precision(state)
+    kn = l2_normalize(key_gate_rows[..., :K].to(acc))
     dt = dt_bias.reshape(L, 1, H, 1, K)
     A = A_log.reshape(L, 1, H, 1, 1)
     decay = torch.exp(kda_gate(key_gate_rows[..., K:], dt, A, lower_bound))  # [L, B, H, T, K]
 
-    S = state5[:, safe_source].float()                                        # [L, B, H, V, K]
+    S = state5[:, safe_source].to(acc)                                        # [L, B, H, V, K]
     at_boundary = S
     for t in range(dims.spec_len):
         step = S * decay[:, :, :, t, None, :] + corr[:, :, :, t, :, None] * kn[:, :, :, t, None, :]
@@ -318,7 +327,7 @@ def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, 
             dims.num_blocks)
         first = total - c
         S, at_boundary = _fold_records(
-            state5[layer, safe_source].float(), corr5[layer, safe_source],
+            state5[layer, safe_source].to(precision(state)), corr5[layer, safe_source],
             key_gate5[layer, safe_source], A5[layer], dt5[layer], lower_bound, total, recovery)
         layer_state = state5[layer:layer + 1]
         final_ok = fold_now & _valid_block(final, dims.num_blocks)
@@ -358,7 +367,8 @@ def flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias, l
     dt5 = dt_bias.reshape(dims.num_layers, dims.num_heads, dims.key_dim)
     for layer in range(dims.num_layers):
         first = counts[layer].long()[safe_source].clamp(0, dims.spec_len)
-        S, _ = _fold_records(state5[layer, safe_source].float(), corr5[layer, safe_source],
+        S, _ = _fold_records(state5[layer, safe_source].to(precision(state)),
+                             corr5[layer, safe_source],
                              key_gate5[layer, safe_source], A5[layer], dt5[layer], lower_bound,
                              first)
         _write_rows(state5[layer:layer + 1], source, ok, S[None])
@@ -387,13 +397,14 @@ def conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, act
     rows = conv_state[safe_block]                                                # [B, D, W-2+T]
 
     # Depthwise cross-correlation over [history, window]: y_t = sum_j w_j seq[t + j].
-    seq = torch.cat([rows[..., :history].float(), windows.float()], dim=-1)
+    acc = precision(x)
+    seq = torch.cat([rows[..., :history].to(acc), windows.to(acc)], dim=-1)
     # A sum over the W taps, not F.conv1d: conv1d's fake implementation picks a
     # CPU backend by batch size and so guards on it (a recompile under dynamic shapes).
-    w = weight.float()
+    w = weight.to(acc)
     y = sum(w[:, j, None] * seq[..., j:j + spec_len] for j in range(dims.width))  # [B, D, T]
     if bias is not None:
-        y = y + bias.float()[:, None]
+        y = y + bias.to(acc)[:, None]
     if activation == "silu":
         y = F.silu(y)
 
