@@ -116,6 +116,17 @@ def test_commit_long_window(device, lower_bound, decay_shift):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_commit_in_the_softplus_tail(device):
+    """Raw gates whose g + dt_bias lies near -8, with A near e^8: the fold's
+    decays need an accurate float32 softplus (see test_verify)."""
+    args, buffers = make_commit_problem(device, decay_shift=8.0, dtype=torch.float32, seed=14)
+    K = args["state"].shape[-1]
+    args["key_gate"][..., K:] *= 0.5
+    args["dt_bias"] = args["dt_bias"] * 0.3 - 8.0
+    run_and_check(args, buffers)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_commit_layouts(device):
     """Transposed conv state, no conv state, three layers, odd head dims, W = 2."""
     args, buffers = make_commit_problem(device, transposed_conv=True, seed=3)

@@ -122,6 +122,17 @@ def test_verify_long_window(device, lower_bound, decay_shift):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_verify_in_the_softplus_tail(device):
+    """g + dt_bias near -8 (KDA initialises dt_bias from -7 to -2) with A near
+    e^8: the gate is about A e^x, which a float32 log(1 + e^x) gets 3e-4 wrong
+    (1e-4 of the outputs)."""
+    args, buffers = make_problem(device, decay_shift=8.0, seed=13)
+    args["dt_bias"] = args["dt_bias"] * 0.3 - 8.0
+    args["g"] = (args["g"].float() * 0.5).to(args["g"].dtype)
+    check_against_oracle(args, buffers, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("K", [64, 72])
 def test_verify_key_chunks(device, K):
     """K above the kernel's 32-key chunk: two full chunks (K = 64), and K = 72,
