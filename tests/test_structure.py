@@ -9,10 +9,10 @@ import kda_ops
 PACKAGE = pathlib.Path(kda_ops.__file__).parent
 # Layers, top to bottom: a module may import only from layers below its own.
 LAYERS = [
-    {"kda_ops.__main__", "kda_ops.bench"},
-    {"kda_ops"},
-    {"kda_ops.models", "kda_ops.planner", "kda_ops._cli"},
-    {"kda_ops.api"},
+    {"kda_ops.__main__", "kda_ops.bench", "kda_ops.transformers.bench"},
+    {"kda_ops", "kda_ops.transformers"},
+    {"kda_ops.models", "kda_ops.planner", "kda_ops._cli", "kda_ops.transformers.cache"},
+    {"kda_ops.api", "kda_ops.transformers.model"},
     {"kda_ops.ops"},
     {"kda_ops.value_checks", "kda_ops.torch_impl", "kda_ops.naive",
      "kda_ops.kernels.verify", "kda_ops.kernels.commit", "kda_ops.kernels.conv",
