@@ -155,3 +155,38 @@ def test_triton_kernels_without_triton_raise_one_clear_error():
     result = run_without_triton(VERIFY_AND_COMMIT, interpret=True)
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1] == f"ImportError: {MISSING_TRITON}"
+
+
+def test_import_kda_ops_leaves_transformers_alone():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", "import sys, kda_ops, kda_ops.bench\n"
+                             "assert 'transformers' not in sys.modules"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+
+def test_transformers_extra_pins_the_version_the_tests_use():
+    extras = pyproject()["project"]["optional-dependencies"]
+    (pin,) = extras["transformers"]
+    assert pin.startswith("transformers") and pin in extras["test"]
+
+
+def test_transformers_tests_skip_without_transformers():
+    """Without transformers, its tests are skipped, and kda_ops.transformers
+    says what to install."""
+    block = BLOCK_TRITON.replace('"triton"', '"transformers"')
+    script = block + (
+        "import pytest\n"
+        "try:\n"
+        "    import kda_ops.transformers\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+        f"sys.exit(pytest.main(['-q', '-p', 'no:xdist', '-p', 'no:cacheprovider', "
+        f"{str(ROOT / 'tests' / 'test_transformers.py')!r}]))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT / "tests")
+    # pytest exits with 5 when the one module it was given is skipped whole.
+    assert result.returncode in (0, 5), result.stdout + result.stderr
+    assert "pip install 'kda_ops[transformers]'" in result.stdout
+    assert "skipped" in result.stdout and "passed" not in result.stdout
