@@ -7,6 +7,7 @@ before anything is launched or written.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,21 @@ def check_tensor(name, t, *, shape=None, ndim=None, dtypes=None, device=None, wr
             zip(t.shape[t.dim() - inner_dims:], t.stride()[t.dim() - inner_dims:])) >= 2**31:
         fail(name, f"must keep each block's (or token's) elements within 2**31 elements of "
               f"each other, got strides {tuple(t.stride())} for shape {_shape(t)}")
+
+
+def check_devices(**tensors):
+    """Every tensor argument on one device. The tensor off the others' device
+    is named; with no majority (two tensors, say), each is."""
+    devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    ranked = Counter(devices.values()).most_common()
+    if len(ranked) < 2:
+        return
+    if ranked[0][1] == ranked[1][1]:
+        where = ", ".join(f"`{name}` on {device}" for name, device in devices.items())
+        raise ValueError(f"kda_ops: the tensors must share one device, got {where}")
+    majority = ranked[0][0]
+    name = next(name for name, device in devices.items() if device != majority)
+    fail(name, f"must be on {majority} like the other tensors, got {devices[name]}")
 
 
 def overlaps_itself(t) -> bool:
@@ -195,6 +211,9 @@ def _check_window_len(window_len, pending, positions):
 def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                  query_start_loc, state_indices, lower_bound, out, pending=None,
                  window_len=None) -> VerifyDims:
+    check_devices(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, state=state,
+                  correction=correction, key_gate=key_gate, query_start_loc=query_start_loc,
+                  state_indices=state_indices, out=out, pending=pending)
     origin = _float64_origin(state=state, q=q)
     activation_dtypes, hint = _dtypes(origin, ACTIVATION_DTYPES)
     check_tensor("q", q, dtypes=activation_dtypes, inner_dims=2, dtype_hint=hint)
@@ -268,6 +287,9 @@ class PlanArgs:
 def check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                request_indices, block_table, num_computed_tokens, block_size,
                device) -> PlanArgs:
+    check_devices(num_accepted_tokens=num_accepted_tokens, state_indices=state_indices,
+                  query_start_loc=query_start_loc, request_indices=request_indices,
+                  block_table=block_table, num_computed_tokens=num_computed_tokens)
     batch = _request_metadata(query_start_loc, state_indices, device)
     check_tensor("num_accepted_tokens", num_accepted_tokens, ndim=1, dtypes=INDEX_DTYPES,
                  device=device)
@@ -347,6 +369,11 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
                  window_len=None) -> tuple[CommitDims, PlanArgs]:
     """With `pending`, the deferred schedule: `window_len` (T) is required and
     the records hold `spec_len` = R >= T positions."""
+    check_devices(num_accepted_tokens=num_accepted_tokens, state_indices=state_indices,
+                  query_start_loc=query_start_loc, state=state, conv_state=conv_state,
+                  correction=correction, key_gate=key_gate, A_log=A_log, dt_bias=dt_bias,
+                  request_indices=request_indices, block_table=block_table,
+                  num_computed_tokens=num_computed_tokens, pending=pending)
     (device, stacked, lead, num_layers, num_blocks, num_heads, value_dim, key_dim,
      spec_len, float64) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias,
                                               lower_bound)
@@ -394,6 +421,8 @@ class ConvDims:
 
 def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
                       out) -> ConvDims:
+    check_devices(x=x, conv_state=conv_state, weight=weight, bias=bias,
+                  query_start_loc=query_start_loc, state_indices=state_indices, out=out)
     origin = _float64_origin(x=x, conv_state=conv_state)
     dtypes, hint = _dtypes(origin, ACTIVATION_DTYPES)
     check_tensor("x", x, ndim=2, dtypes=dtypes, inner_dims=1, dtype_hint=hint)
@@ -428,6 +457,8 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
 
 def check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,
                 lower_bound) -> CommitDims:
+    check_devices(state_indices=state_indices, state=state, correction=correction,
+                  key_gate=key_gate, pending=pending, A_log=A_log, dt_bias=dt_bias)
     (device, stacked, lead, num_layers, num_blocks, num_heads, value_dim, key_dim,
      positions, float64) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias,
                                                lower_bound)
@@ -439,6 +470,7 @@ def check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_b
 
 
 def check_aligned_state_indices(block_table, seq_lens, block_size, num_state_slots):
+    check_devices(block_table=block_table, seq_lens=seq_lens)
     check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES)
     check_tensor("seq_lens", seq_lens, shape=(block_table.shape[0],), dtypes=INDEX_DTYPES,
                  device=block_table.device)
@@ -450,6 +482,12 @@ def check_stage_spec_decode_metadata(state_indices, query_start_loc, num_accepte
                                      staged_state_indices, staged_query_start_loc,
                                      staged_num_accepted_tokens, num_spec_decodes) -> int:
     """Returns how many rows can be real: min(source rows, staged rows)."""
+    check_devices(state_indices=state_indices, query_start_loc=query_start_loc,
+                  num_accepted_tokens=num_accepted_tokens,
+                  staged_state_indices=staged_state_indices,
+                  staged_query_start_loc=staged_query_start_loc,
+                  staged_num_accepted_tokens=staged_num_accepted_tokens,
+                  num_spec_decodes=num_spec_decodes)
     check_tensor("state_indices", state_indices, ndim=(1, 2), dtypes=INDEX_DTYPES)
     device = state_indices.device
     source_rows = state_indices.shape[0]

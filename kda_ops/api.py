@@ -99,8 +99,8 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
     once (buffers stacked `[L, N, ...]`) or for one layer (4-D buffers).
 
     Args:
-        num_accepted_tokens: `[R]` int32/int64: tokens to fold per request row
-            (clamped to `[0, min(L, T)]`; 0 leaves the request untouched).
+        num_accepted_tokens: `[rows]` int32/int64: tokens to fold per request
+            row (clamped to `[0, min(L, T)]`; 0 leaves the request untouched).
         state_indices: `[B]` int32/int64: each request's checkpoint block (the
             source; <= 0 or >= N: padding row).
         query_start_loc: `[B + 1]`: the windows that verify ran.
@@ -115,8 +115,9 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
         request_indices: `[B]`: the row of `num_accepted_tokens` (and of the
             block table) for request b; default b.
         block_table, num_computed_tokens, block_size: align mode (prefix
-            caching), all three or none: `[R, columns]` blocks, `[R]` tokens
-            already folded, tokens per block (docs/semantics.md#4-the-commit-plan).
+            caching), all three or none: `[rows, columns]` blocks, `[rows]`
+            tokens already folded, tokens per block
+            (docs/semantics.md#4-the-commit-plan).
         pending: `[(L,) N]` int32/int64, written: the deferred schedule's counts
             (docs/semantics.md#11-the-deferred-schedule); the records then hold
             R >= T positions, and `spec_len` gives T.

@@ -207,15 +207,24 @@ class KDADecodeStep(nn.Module):
         and the activation caches (`conv_state`, `key_gate`: they hold
         activations, and verify takes `key_gate` in k's dtype) but keep the
         dtypes of `state` (a checkpoint cast to bf16 would lose precision
-        silently) and `correction` (float32 always); device moves apply to all."""
+        silently) and `correction` (float32 always). A move to float64 converts
+        those too, since a float64 model runs every op in float64
+        (docs/semantics.md#12-float64), and a move from float64 returns them
+        to `state_dtype` and float32. Device moves apply to all."""
         kept = {name: buffer for name, buffer in self._buffers.items()
                 if name.split("_")[0] in ("state", "correction")}
         super()._apply(fn, recurse)
+        self.dtype = self.conv_weight.dtype
         for name, before in kept.items():
             after = self._buffers[name]
-            if after.dtype != before.dtype:
-                self._buffers[name] = before.to(device=after.device)
-        self.dtype = self.conv_weight.dtype
+            if self.dtype == torch.float64:
+                wanted = torch.float64
+            elif before.dtype == torch.float64:
+                wanted = self.state_dtype if name.startswith("state") else torch.float32
+            else:
+                wanted = before.dtype
+            if after.dtype != wanted:
+                self._buffers[name] = before.to(device=after.device, dtype=wanted)
         return self
 
     def cache_shapes(self) -> KDACaches:
@@ -227,7 +236,9 @@ class KDADecodeStep(nn.Module):
         return self.caches_type(*shapes, *([(L, N)] if self.deferred else []))
 
     def cache_dtypes(self) -> KDACaches:
-        dtypes = (self.state_dtype, self.dtype, torch.float32, self.dtype)
+        float64 = torch.float64 in (self.dtype, self.state_dtype)
+        dtypes = (torch.float64 if float64 else self.state_dtype, self.dtype,
+                  torch.float64 if float64 else torch.float32, self.dtype)
         return self.caches_type(*dtypes, *([torch.int32] if self.deferred else []))
 
     def _in_layout(self, stacked: KDACaches) -> KDACaches:

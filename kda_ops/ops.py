@@ -46,6 +46,9 @@ else:
 
 MISSING_TRITON = ("kda_ops: CUDA tensors need triton (pip install 'triton>=3.6,<3.10'); "
                   "the PyTorch path serves CPU tensors")
+MISSING_TRITON_INTERPRET = ("kda_ops: TRITON_INTERPRET=1 sends CPU tensors to the Triton "
+                            "kernels, which need triton (pip install 'triton>=3.6,<3.10'); "
+                            "without TRITON_INTERPRET=1 the PyTorch path serves them")
 
 
 def use_triton(t: Tensor) -> bool:
@@ -53,7 +56,8 @@ def use_triton(t: Tensor) -> bool:
     needed = t.is_cuda or (os.environ.get("TRITON_INTERPRET") == "1" and t.device.type == "cpu"
                            and not is_fake(t))
     if needed and triton_import_error is not None:
-        raise ImportError(MISSING_TRITON) from triton_import_error
+        raise ImportError(MISSING_TRITON if t.is_cuda else MISSING_TRITON_INTERPRET) \
+            from triton_import_error
     return needed
 
 

@@ -4,7 +4,7 @@ Shapes, dtypes and strides are always checked (`_validation`). What only the
 values can show (windows inside the token tensors, block indices inside the
 cache and not shared, accepted counts in range, the same gate parameters in
 verify and commit) is checked here, when enabled by the environment variable
-`KDA_OPS_CHECK_VALUES=1` or inside `with kda_ops.value_checks():`, by the
+`KDA_OPS_CHECK_VALUES=1` (or true, yes, on) or inside `with kda_ops.value_checks():`, by the
 public functions (`api.py`) before they call the op. Each check copies small
 metadata tensors to the host, so it syncs the device: eager calls only.
 torch.compile traces the public functions without the checks, so compiled
@@ -41,9 +41,18 @@ def value_checks(enabled: bool = True):
         _setting.reset(token)
 
 
+ENV_ON, ENV_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
 def value_checks_enabled() -> bool:
     setting = _setting.get()
-    return os.environ.get(ENV_VAR) == "1" if setting is None else setting
+    if setting is not None:
+        return setting
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value not in ENV_ON + ENV_OFF:
+        raise ValueError(f"kda_ops: {ENV_VAR} must be one of {list(ENV_ON + ENV_OFF)} (any "
+                         f"case), got {os.environ[ENV_VAR]!r}")
+    return value in ENV_ON
 
 
 def should_check(*tensors) -> bool:

@@ -13,7 +13,7 @@ import zipfile
 import pytest
 
 import kda_ops
-from kda_ops.ops import MISSING_TRITON
+from kda_ops.ops import MISSING_TRITON, MISSING_TRITON_INTERPRET
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE_PARENT = pathlib.Path(kda_ops.__file__).resolve().parent.parent
@@ -42,6 +42,7 @@ def test_missing_triton_error_asks_for_the_required_triton():
     (triton,) = [dep for dep in pyproject()["project"]["dependencies"] if dep.startswith("triton")]
     required = triton.split(";")[0].strip()
     assert f"pip install '{required}'" in MISSING_TRITON
+    assert f"pip install '{required}'" in MISSING_TRITON_INTERPRET
 
 
 def test_changelog_has_an_entry_for_the_version():
@@ -154,7 +155,7 @@ def test_triton_kernels_without_triton_raise_one_clear_error():
     tensors always are: without triton, the op names what to install."""
     result = run_without_triton(VERIFY_AND_COMMIT, interpret=True)
     assert result.returncode != 0
-    assert result.stderr.strip().splitlines()[-1] == f"ImportError: {MISSING_TRITON}"
+    assert result.stderr.strip().splitlines()[-1] == f"ImportError: {MISSING_TRITON_INTERPRET}"
 
 
 def test_import_kda_ops_leaves_transformers_alone():
