@@ -76,14 +76,17 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
         check_int("spec_len", spec_len)
     if out is None:
         out = torch.empty_like(v)
+    checked = None
     if value_checks.should_check(q, query_start_loc, state_indices):
-        value_checks.verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                                 query_start_loc, state_indices, lower_bound, out, pending,
-                                 spec_len)
+        checked = value_checks.verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction,
+                                           key_gate, query_start_loc, state_indices,
+                                           lower_bound, scale, out, pending, spec_len)
     # Positional: Dynamo graph-breaks on any op given a non-contiguous `out=`
     # keyword (its rule for out= variants), and `out` may be a strided view.
     _ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                 query_start_loc, state_indices, lower_bound, scale, out, pending, spec_len)
+    if checked is not None:
+        value_checks.verify_done(checked, out, correction)
     return _ops.inference_only("verify", out, q, k, v, g, beta, A_log, dt_bias, state)
 
 
@@ -129,11 +132,12 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
         check_int("block_size", block_size)
     if spec_len is not None:
         check_int("spec_len", spec_len)
+    checked = None
     if value_checks.should_check(state, query_start_loc, state_indices):
-        value_checks.commit_call(num_accepted_tokens, state_indices, query_start_loc, state,
-                                 conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
-                                 request_indices, block_table, num_computed_tokens, block_size,
-                                 pending, spec_len)
+        checked = value_checks.commit_call(
+            num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
+            key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
+            num_computed_tokens, block_size, pending, spec_len)
     if spec_len is None and pending is None and isinstance(correction, Tensor) \
             and correction.dim() >= 2:
         # Always given: torch 2.11 drops trailing arguments left at their defaults
@@ -145,6 +149,8 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
                 dt_bias=dt_bias, lower_bound=lower_bound, request_indices=request_indices,
                 block_table=block_table, num_computed_tokens=num_computed_tokens,
                 block_size=block_size, pending=pending, spec_len=spec_len)
+    if checked is not None:
+        value_checks.commit_done(checked, state)
 
 
 def flush(state_indices: Tensor, *, state: Tensor, correction: Tensor, key_gate: Tensor,
@@ -163,7 +169,13 @@ def flush(state_indices: Tensor, *, state: Tensor, correction: Tensor, key_gate:
         pending: `[(L,) N]` int32/int64, written: pending records per block.
     """
     check_lower_bound(lower_bound)
+    checked = None
+    if value_checks.should_check(state, state_indices):
+        checked = value_checks.flush_call(state_indices, state, correction, key_gate, pending,
+                                          A_log, dt_bias, lower_bound)
     _ops.flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias, lower_bound)
+    if checked is not None:
+        value_checks.flush_done(checked, state)
 
 
 class CommitPlan(NamedTuple):
@@ -230,12 +242,15 @@ def conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Te
     check_activation(activation)
     if out is None:
         out = torch.empty_like(x)
+    checked = None
     if value_checks.should_check(x, query_start_loc, state_indices):
-        value_checks.conv_update_call(x, conv_state, weight, bias, query_start_loc,
-                                      state_indices, activation, out)
+        checked = value_checks.conv_update_call(x, conv_state, weight, bias, query_start_loc,
+                                                state_indices, activation, out)
     # Positional, as in `verify`: a strided `out=` keyword makes Dynamo graph-break.
     _ops.conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
                      out)
+    if checked is not None:
+        value_checks.conv_update_done(checked, out)
     return _ops.inference_only("conv_update", out, x, conv_state, weight, bias)
 
 

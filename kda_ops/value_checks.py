@@ -22,8 +22,10 @@ import weakref
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from ._validation import (check_commit, check_conv_update, check_plan,
+from . import torch_impl
+from ._validation import (check_commit, check_conv_update, check_flush, check_plan,
                           check_stage_spec_decode_metadata, check_verify, fail)
+from .constants import NULL_BLOCK
 
 ENV_VAR = "KDA_OPS_CHECK_VALUES"
 _setting: contextvars.ContextVar = contextvars.ContextVar("kda_ops_value_checks", default=None)
@@ -173,34 +175,194 @@ def check_gates(key_gate, A_log, dt_bias, lower_bound, stacked):
                   f"gate parameters")
 
 
+# ------------------------------------------------------------ finite values
+def _window_tokens(query_start_loc, indices, num_blocks, spec_len):
+    """(token, row) of every token that a call reads: the first min(L, T)
+    tokens of each live row's window."""
+    starts = _host(query_start_loc)
+    pairs = []
+    for row, block in enumerate(indices.tolist()):
+        if 0 < block < num_blocks:
+            length = max(0, min(starts[row + 1].item() - starts[row].item(), spec_len))
+            pairs += [(starts[row].item() + t, row) for t in range(length)]
+    return pairs
+
+
+def _first_non_finite(t):
+    """The index (tuple) of `t`'s first non-finite element, or None."""
+    bad = ~torch.isfinite(t.detach())
+    return None if not bad.any() else tuple(bad.nonzero()[0].tolist())
+
+
+def check_token_values(op, stage, ndim, pairs, **tensors):
+    """Each named `[tokens, ...]` tensor of `ndim` dims (or a leading 1 more)
+    is finite at the tokens `pairs` lists; else a ValueError naming the op,
+    the argument, the token and its row."""
+    if not pairs:
+        return
+    index = torch.tensor([token for token, _ in pairs])
+    for name, t in tensors.items():
+        values = (t[0] if t.dim() == ndim + 1 else t)[index.to(t.device)]
+        where = _first_non_finite(values)
+        if where is not None:
+            token, row = pairs[where[0]]
+            fail(name, f"holds {values[where].item()} at token {token} (row {row}) "
+                 f"{stage} {op}: the value checks want finite values")
+
+
+def check_cache_values(op, stage, name, t, stacked, entries, dim=None):
+    """Cache `t` (`[(L,) N, ...]`) is finite in each listed block: `entries`
+    holds (row, block, count); with `dim` (counted from the end), only the
+    first `count` positions of the block along it are read."""
+    for row, block, count in entries:
+        values = t[:, block] if stacked else t[block]
+        if dim is not None:
+            values = values.narrow(dim, 0, min(count, values.shape[dim]))
+        where = _first_non_finite(values)
+        if where is not None:
+            layer = f" layer {where[0]}," if stacked else ""
+            fail(name, f"holds {values[where].item()} in{layer} block {block} (row {row}) "
+                 f"{stage} {op}: the value checks want finite values")
+
+
+def check_parameter_values(op, **tensors):
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor):
+            where = _first_non_finite(t)
+            if where is not None:
+                fail(name, f"holds {t[where].item()} at {where} in {op}: the value checks "
+                     f"want finite values")
+        elif t is not None and not torch.isfinite(torch.tensor(float(t))):
+            fail(name, f"is {t!r} in {op}: the value checks want finite values")
+
+
+# ------------------------------------------------------- align-mode blocks
+def check_written_blocks(source, commit_len, final, boundary, num_blocks):
+    """The blocks a commit writes, per row (host int64 tensors [B]): inside
+    the cache and not the null block, no block written by two rows, and no
+    block written by one row and read as the source of another live row."""
+    readers = {block: row for row, block in enumerate(source.tolist())
+               if 0 < block < num_blocks}
+    writers = {}
+    for row, count in enumerate(commit_len.tolist()):
+        if count <= 0:
+            continue
+        for kind, blocks in (("final", final), ("boundary", boundary)):
+            block = blocks[row].item()
+            if kind == "boundary" and block == NULL_BLOCK:
+                continue
+            if not 0 < block < num_blocks:
+                fail("block_table", f"gives row {row} the {kind} block {block}, outside "
+                     f"the {num_blocks} blocks of the cache (or the null block): its fold "
+                     f"would be dropped")
+            other = writers.get(block)
+            if other is not None and other[0] != row:
+                fail("block_table", f"gives rows {other[0]} and {row} the same block {block} "
+                     f"({other[1]} of row {other[0]}, {kind} of row {row}): a block takes "
+                     f"one request's state per commit")
+            if readers.get(block, row) != row:
+                fail("block_table", f"gives row {row} the {kind} block {block}, which row "
+                     f"{readers[block]} reads as its source (`state_indices`)")
+            writers[block] = (row, kind)
+
+
+# The convolution width each conv_update used, by the conv state it wrote:
+# key (id of the base tensor, storage offset) -> (weakref to the base, W).
+_widths_by_conv_state: dict = {}
+
+
+def record_conv_width(conv_state, width):
+    for stale in [key for key, seen in _widths_by_conv_state.items() if seen[0]() is None]:
+        del _widths_by_conv_state[stale]
+    key, base = _records_key(conv_state, conv_state.storage_offset())
+    _widths_by_conv_state[key] = (weakref.ref(base), width)
+
+
+def check_conv_width(conv_state, window_len, stacked, window_from):
+    """commit reads the history at columns 0..W-2 of a `W-1+T-1` buffer: the
+    width conv_update convolved each layer's conv state with must match T."""
+    layers = conv_state.shape[0] if stacked else 1
+    for layer in range(layers):
+        offset = conv_state.storage_offset() + (layer * conv_state.stride(0) if stacked else 0)
+        key, base = _records_key(conv_state, offset)
+        seen = _widths_by_conv_state.get(key)
+        if seen is None or seen[0]() is not base:
+            continue
+        width, columns = seen[1], conv_state.shape[-1]
+        if columns != width - 1 + window_len - 1:
+            where = f" layer {layer}'s" if stacked else ""
+            fail("conv_state", f"has {columns} columns in{where} blocks, but conv_update "
+                 f"convolved it with W = {width}: commit needs W-1+T-1 = "
+                 f"{width - 2 + window_len} for T = {window_len} ({window_from})")
+
+
+def _live(indices, num_blocks):
+    return [(row, block) for row, block in enumerate(indices.tolist()) if 0 < block < num_blocks]
+
+
 def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                query_start_loc, state_indices, lower_bound, out, pending, spec_len):
+                query_start_loc, state_indices, lower_bound, scale, out, pending, spec_len):
+    """Checks before verify; returns what `verify_done` checks after it."""
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                         query_start_loc, state_indices, lower_bound, out, pending,
                         spec_len)  # shapes first
     lengths = check_windows(query_start_loc, dims.window_len, num_tokens=dims.num_tokens,
                             spec_len_from="spec_len" if pending is not None else "correction's T")
     indices = check_blocks(state_indices, dims.num_blocks)
-    if pending is not None:
-        counts = _host(pending)
-        for row, block in enumerate(indices.tolist()):
-            if 0 < block < dims.num_blocks:
-                room = dims.spec_len - min(max(counts[block].item(), 0), dims.spec_len)
-                if lengths[row] > room:
-                    fail("pending", f"leaves {room} of the records' {dims.spec_len} positions "
-                         f"to row {row}'s window of {lengths[row].item()} tokens (block "
-                         f"{block} has {counts[block].item()} pending)")
+    counts = _host(pending) if pending is not None else torch.zeros(dims.num_blocks,
+                                                                    dtype=torch.int64)
+    live = [(row, block, min(max(counts[block].item(), 0), dims.spec_len))
+            for row, block in _live(indices, dims.num_blocks)]
+    for row, block, first in live:
+        room = dims.spec_len - first
+        if lengths[row] > room:
+            fail("pending", f"leaves {room} of the records' {dims.spec_len} positions to row "
+                 f"{row}'s window of {lengths[row].item()} tokens (block {block} has "
+                 f"{counts[block].item()} pending)")
+    tokens = _window_tokens(query_start_loc, indices, dims.num_blocks, dims.window_len)
+    check_token_values("verify", "given to", 3, tokens, q=q, k=k, v=v, g=g)
+    check_token_values("verify", "given to", 2, tokens, beta=beta)
+    check_parameter_values("verify", A_log=A_log, dt_bias=dt_bias, scale=scale)
+    check_cache_values("verify", "given to", "state", state, False, live)
+    for name, records in (("correction", correction), ("key_gate", key_gate)):
+        check_cache_values("verify", "pending in", name, records, False, live, dim=-2)
     record_gates(key_gate, A_log, dt_bias, lower_bound)
+    windows = [(row, block, first, sum(1 for _, r in tokens if r == row))
+               for row, block, first in live]
+    return tokens, windows
+
+
+def verify_done(checked, out, correction):
+    """After verify: the outputs of the tokens it ran and the corrections it
+    recorded are finite."""
+    tokens, windows = checked
+    check_token_values("verify", "written by", 3, tokens, out=out)
+    for row, block, first, length in windows:
+        check_cache_values("verify", "written by", "correction",
+                           correction[:, :, first:first + length], False, [(row, block, 0)])
 
 
 def conv_update_call(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
                      out):
+    """Checks before conv_update; returns what `conv_update_done` checks after it."""
     dims = check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
                              activation, out)
     check_windows(query_start_loc, dims.spec_len, num_tokens=dims.num_tokens, tokens_name="x",
                   spec_len_from=f"from conv_state's W-1+T-1 = {dims.width - 1 + dims.spec_len - 1}"
                   f" columns for W = {dims.width}")
-    check_blocks(state_indices, dims.num_blocks, cache_name="conv_state")
+    indices = check_blocks(state_indices, dims.num_blocks, cache_name="conv_state")
+    tokens = _window_tokens(query_start_loc, indices, dims.num_blocks, dims.spec_len)
+    check_token_values("conv_update", "given to", 2, tokens, x=x)
+    check_parameter_values("conv_update", weight=weight, bias=bias)
+    history = [(row, block, dims.width - 1) for row, block in _live(indices, dims.num_blocks)]
+    check_cache_values("conv_update", "given to", "conv_state", conv_state, False, history,
+                       dim=-1)
+    record_conv_width(conv_state, dims.width)
+    return tokens
+
+
+def conv_update_done(tokens, out):
+    check_token_values("conv_update", "written by", 2, tokens, out=out)
 
 
 def _check_plan_values(num_accepted_tokens, state_indices, query_start_loc, spec_len,
@@ -208,6 +370,7 @@ def _check_plan_values(num_accepted_tokens, state_indices, query_start_loc, spec
     lengths = check_windows(query_start_loc, spec_len)
     indices = check_blocks(state_indices, num_blocks)
     check_accepted(num_accepted_tokens, request_indices, indices, lengths)
+    return indices
 
 
 def commit_plan_call(num_accepted_tokens, state_indices, query_start_loc, spec_len,
@@ -218,17 +381,93 @@ def commit_plan_call(num_accepted_tokens, state_indices, query_start_loc, spec_l
                        request_indices)
 
 
+def _layer_plans(dims, window_len, metadata, block_size, counts):
+    """Per layer (one without pending counts, whose plan every layer shares):
+    (records folded, fold, final, boundary), host int64/bool [B] each."""
+    accepted, source, starts, requests, table, computed = metadata
+    if counts is None:
+        commit_len, final, boundary, _ = torch_impl.commit_plan(
+            accepted, source, starts, window_len, requests, table, computed, block_size)
+        return [(commit_len, commit_len > 0, final, boundary)]
+    safe_source = torch.where((source > 0) & (source < dims.num_blocks), source, 0)
+    plans = []
+    for layer_counts in counts:
+        _, total, fold, final, boundary, _ = torch_impl.deferred_plan(
+            accepted, source, starts, layer_counts[safe_source], dims.spec_len, window_len,
+            requests, table, computed, block_size, dims.num_blocks)
+        plans.append((total, fold, final, boundary))
+    return plans
+
+
 def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                 correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
                 block_table, num_computed_tokens, block_size, pending, spec_len):
-    dims, _ = check_commit(num_accepted_tokens, state_indices, query_start_loc, state,
-                           conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
-                           request_indices, block_table, num_computed_tokens, block_size,
-                           pending, spec_len)
+    """Checks before commit; returns what `commit_done` checks after it."""
+    dims, plan = check_commit(num_accepted_tokens, state_indices, query_start_loc, state,
+                              conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
+                              request_indices, block_table, num_computed_tokens, block_size,
+                              pending, spec_len)
     window_len = dims.spec_len if spec_len is None else spec_len  # T, not the records' R
-    _check_plan_values(num_accepted_tokens, state_indices, query_start_loc, window_len,
-                       request_indices, dims.num_blocks)
+    indices = _check_plan_values(num_accepted_tokens, state_indices, query_start_loc,
+                                 window_len, request_indices, dims.num_blocks)
     check_gates(key_gate, A_log, dt_bias, lower_bound, dims.stacked)
+    if conv_state is not None:
+        check_conv_width(conv_state, window_len, dims.stacked,
+                         "spec_len" if spec_len is not None else "the records' T")
+    check_parameter_values("commit", A_log=A_log, dt_bias=dt_bias)
+    metadata = [None if t is None else _host(t) for t in (
+        num_accepted_tokens, state_indices, query_start_loc, request_indices, block_table,
+        num_computed_tokens)]
+    counts = (None if pending is None else
+              _host(pending).reshape(dims.num_layers if dims.stacked else 1, dims.num_blocks))
+    plans = _layer_plans(dims, window_len, metadata, block_size, counts)
+    if plan.align:
+        for folded, fold, final, boundary in plans:
+            check_written_blocks(indices, torch.where(fold, folded, 0), final, boundary,
+                                 dims.num_blocks)
+    # What the commit reads: each live row's state, and its records up to the
+    # tokens it folds (every layer's most, under the deferred schedule).
+    reads = torch.stack([folded for folded, _, _, _ in plans]).amax(0)
+    live = [(row, block, reads[row].item()) for row, block in _live(indices, dims.num_blocks)
+            if reads[row] > 0]
+    check_cache_values("commit", "given to", "state", state, dims.stacked, live)
+    for name, records in (("correction", correction), ("key_gate", key_gate)):
+        check_cache_values("commit", "given to", name, records, dims.stacked, live, dim=-2)
+    return dims, plans
+
+
+def commit_done(checked, state):
+    """After commit: every state it wrote is finite."""
+    dims, plans = checked
+    for _, fold, final, boundary in plans:
+        for blocks in (final, boundary):
+            written = [(row, blocks[row].item(), 0) for row in fold.nonzero().flatten().tolist()
+                       if 0 < blocks[row].item() < dims.num_blocks]
+            check_cache_values("commit", "written by", "state", state, dims.stacked, written)
+
+
+def flush_call(state_indices, state, correction, key_gate, pending, A_log, dt_bias,
+               lower_bound):
+    """Checks before flush: blocks inside the cache and none listed twice (the
+    kernels would fold it twice), finite values; returns what `flush_done`
+    checks after it."""
+    dims = check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,
+                       lower_bound)
+    indices = check_blocks(state_indices, dims.num_blocks)
+    check_parameter_values("flush", A_log=A_log, dt_bias=dt_bias)
+    check_gates(key_gate, A_log, dt_bias, lower_bound, dims.stacked)
+    counts = _host(pending).reshape(-1, dims.num_blocks).clamp(0, dims.spec_len)
+    live = [(row, block, counts[:, block].max().item())
+            for row, block in _live(indices, dims.num_blocks)]
+    check_cache_values("flush", "given to", "state", state, dims.stacked, live)
+    for name, records in (("correction", correction), ("key_gate", key_gate)):
+        check_cache_values("flush", "pending in", name, records, dims.stacked, live, dim=-2)
+    return dims, live
+
+
+def flush_done(checked, state):
+    dims, live = checked
+    check_cache_values("flush", "written by", "state", state, dims.stacked, live)
 
 
 def stage_call(state_indices, query_start_loc, num_accepted_tokens, staged_state_indices,
