@@ -351,6 +351,37 @@ def test_recipe_from_fla_op_conventions():
         assert_rel_close(state[1].transpose(-1, -2), expected_state[0], tol=1e-5, name="state")
 
 
+def test_recipe_from_fla_ops_given_a_gated_g_and_normalised_q_k():
+    """fla's KDA ops also default to a gate already computed
+    (`use_gate_in_kernel=False`: g is the log decay) and to q, k already
+    L2-normalised (`use_qk_l2norm_in_kernel=False`). The recipe: the raw gate
+    `log(expm1(-g))` with A_log = 0 and dt_bias = 0 (then kda_ops' gate
+    -softplus gives g back), and the normalised q, k as they are."""
+    fla_naive = pytest.importorskip("fla.ops.kda.naive")
+    fla_gate = pytest.importorskip("fla.ops.kda.gate")
+    gen = torch.Generator().manual_seed(41)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    normalise = lambda x: x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    q, k = normalise(rand(T, H, K)), normalise(rand(T, H, K))
+    v, beta = rand(T, H, V), torch.sigmoid(rand(T, H))
+    gated = fla_gate.naive_kda_gate(rand(T, H, K), rand(H) * 0.5, rand(H * K))  # the log decay
+    expected_out, _ = fla_naive.naive_recurrent_kda(q[None], k[None], v[None], gated[None],
+                                                     beta[None], output_final_state=True)
+    N = 2
+    out = kda_ops.verify(q, k, v, torch.log(torch.expm1(-gated)), torch.logit(beta),
+                         torch.zeros(H), torch.zeros(H, K), torch.zeros(N, H, V, K),
+                         torch.zeros(N, H, T, V), torch.zeros(N, H, T, 2 * K),
+                         torch.tensor([0, T], dtype=torch.int32),
+                         torch.tensor([1], dtype=torch.int32))
+    assert_rel_close(out, expected_out[0], tol=1e-5, name="out")
+    # Passing fla's gated g as kda_ops' raw gate is a different recurrence.
+    wrong = kda_ops.verify(q, k, v, gated, torch.logit(beta), torch.zeros(H), torch.zeros(H, K),
+                           torch.zeros(N, H, V, K), torch.zeros(N, H, T, V),
+                           torch.zeros(N, H, T, 2 * K), torch.tensor([0, T], dtype=torch.int32),
+                           torch.tensor([1], dtype=torch.int32))
+    assert (wrong - expected_out[0]).abs().max() > 1e-2
+
+
 # --------------------------------------------------------------- dtype moves
 @pytest.mark.parametrize("cache_layout", ["stacked", "per_layer"])
 def test_model_to_dtype_keeps_the_checkpoint_and_record_dtypes(cache_layout):
