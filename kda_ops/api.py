@@ -163,7 +163,9 @@ def flush(state_indices: Tensor, *, state: Tensor, correction: Tensor, key_gate:
     preempted, or whose state another kernel will read.
 
     Args:
-        state_indices: `[B]` int32/int64: blocks to flush (<= 0 or >= N: skipped).
+        state_indices: `[B]` int32/int64: blocks to flush (<= 0 or >= N: skipped;
+            a block listed twice is folded twice by the Triton kernels, once on
+            the PyTorch path: list each once; the value checks refuse it).
         state, correction, key_gate, A_log, dt_bias, lower_bound: as in `commit`
             (stacked `[L, N, ...]` or one layer's).
         pending: `[(L,) N]` int32/int64, written: pending records per block.
