@@ -189,6 +189,7 @@ class VerifyDims:
     batch: int
     window_len: int  # the longest window, T <= R
     float64: bool  # runs the PyTorch path in float64
+    tree: bool  # windows are trees (`parent`): the PyTorch path
 
 
 def _check_window_len(window_len, pending, positions):
@@ -210,10 +211,10 @@ def _check_window_len(window_len, pending, positions):
 
 def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                  query_start_loc, state_indices, lower_bound, out, pending=None,
-                 window_len=None) -> VerifyDims:
+                 window_len=None, parent=None) -> VerifyDims:
     check_devices(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, state=state,
                   correction=correction, key_gate=key_gate, query_start_loc=query_start_loc,
-                  state_indices=state_indices, out=out, pending=pending)
+                  state_indices=state_indices, out=out, pending=pending, parent=parent)
     origin = _float64_origin(state=state, q=q)
     activation_dtypes, hint = _dtypes(origin, ACTIVATION_DTYPES)
     check_tensor("q", q, dtypes=activation_dtypes, inner_dims=2, dtype_hint=hint)
@@ -257,8 +258,19 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         check_tensor("pending", pending, shape=(num_blocks,), dtypes=INDEX_DTYPES, device=device)
     window_len = _check_window_len(window_len, pending, spec_len)
     check_lower_bound(lower_bound)
+    _check_parent(parent, num_tokens, device, pending)
     return VerifyDims(num_tokens, num_heads, key_dim, value_dim, num_blocks, spec_len, batch,
-                      window_len, origin is not None)
+                      window_len, origin is not None, parent is not None)
+
+
+def _check_parent(parent, num_tokens, device, pending=None):
+    """A tree's parents, packed like the tokens (docs/semantics.md#13-tree-drafts)."""
+    if parent is None:
+        return
+    check_tensor("parent", parent, shape=(num_tokens,), dtypes=INDEX_DTYPES, device=device)
+    if pending is not None:
+        fail("parent", "(a tree window) runs the immediate schedule: give no `pending` with it "
+             "(docs/semantics.md#13-tree-drafts)")
 
 
 def check_lower_bound(lower_bound):
@@ -330,6 +342,7 @@ class CommitDims:
     conv_dim: int
     conv_history: int
     float64: bool  # runs the PyTorch path in float64
+    tree: bool = False  # folds an accepted path of a tree: the PyTorch path
 
 
 def _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound):
@@ -366,14 +379,15 @@ def _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound
 def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                  correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
                  block_table, num_computed_tokens, block_size, pending=None,
-                 window_len=None) -> tuple[CommitDims, PlanArgs]:
+                 window_len=None, accepted_path=None) -> tuple[CommitDims, PlanArgs]:
     """With `pending`, the deferred schedule: `window_len` (T) is required and
     the records hold `spec_len` = R >= T positions."""
     check_devices(num_accepted_tokens=num_accepted_tokens, state_indices=state_indices,
                   query_start_loc=query_start_loc, state=state, conv_state=conv_state,
                   correction=correction, key_gate=key_gate, A_log=A_log, dt_bias=dt_bias,
                   request_indices=request_indices, block_table=block_table,
-                  num_computed_tokens=num_computed_tokens, pending=pending)
+                  num_computed_tokens=num_computed_tokens, pending=pending,
+                  accepted_path=accepted_path)
     (device, stacked, lead, num_layers, num_blocks, num_heads, value_dim, key_dim,
      spec_len, float64) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias,
                                               lower_bound)
@@ -395,8 +409,15 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
                   f"(viewed [N, D, W-1+T-1]), got shape {_shape(conv_state)}")
     plan = check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                       request_indices, block_table, num_computed_tokens, block_size, device)
+    if accepted_path is not None:
+        check_tensor("accepted_path", accepted_path,
+                     shape=(num_accepted_tokens.shape[0], spec_len), dtypes=INDEX_DTYPES,
+                     device=device)
+        if pending is not None:
+            fail("accepted_path", "(a tree's commit) runs the immediate schedule: give no "
+                 "`pending` with it (docs/semantics.md#13-tree-drafts)")
     dims = CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, spec_len,
-                      conv_dim, conv_history, float64)
+                      conv_dim, conv_history, float64, accepted_path is not None)
     return dims, plan
 
 
@@ -417,12 +438,14 @@ class ConvDims:
     num_blocks: int
     batch: int
     float64: bool  # runs the PyTorch path in float64
+    tree: bool  # windows are trees (`parent`): the PyTorch path
 
 
 def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
-                      out) -> ConvDims:
+                      out, parent=None) -> ConvDims:
     check_devices(x=x, conv_state=conv_state, weight=weight, bias=bias,
-                  query_start_loc=query_start_loc, state_indices=state_indices, out=out)
+                  query_start_loc=query_start_loc, state_indices=state_indices, out=out,
+                  parent=parent)
     origin = _float64_origin(x=x, conv_state=conv_state)
     dtypes, hint = _dtypes(origin, ACTIVATION_DTYPES)
     check_tensor("x", x, ndim=2, dtypes=dtypes, inner_dims=1, dtype_hint=hint)
@@ -451,8 +474,9 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
     batch = _request_metadata(query_start_loc, state_indices, device)
     check_tensor("out", out, shape=_shape(x), dtypes=dtypes, device=device, written=True,
                  inner_dims=1, dtype_hint=hint)
+    _check_parent(parent, num_tokens, device)
     return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch,
-                    origin is not None)
+                    origin is not None, parent is not None)
 
 
 def check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,

@@ -25,7 +25,7 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
            query_start_loc: Tensor, state_indices: Tensor, *,
            lower_bound: Optional[float] = None, scale: Optional[float] = None,
            out: Optional[Tensor] = None, pending: Optional[Tensor] = None,
-           spec_len: Optional[int] = None) -> Tensor:
+           spec_len: Optional[int] = None, parent: Optional[Tensor] = None) -> Tensor:
     """Runs each request's window from its checkpoint and records what `commit`
     needs to fold the accepted prefix later (docs/semantics.md#3-verify).
 
@@ -65,6 +65,12 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
             (docs/semantics.md#11-the-deferred-schedule). Read only.
         spec_len: T, the longest window, when `pending` is given (the records
             then hold R >= T positions); tokens past it get zero outputs.
+        parent: `[num_tokens]` int32/int64, packed like the tokens: the windows
+            are trees (docs/semantics.md#13-tree-drafts). Node t of a window
+            (its t-th token) continues the path of node `parent[t]` (window-
+            relative, `0 .. t-1`; the root's is -1): its output and record are
+            those of sequential decoding along its path from the checkpoint.
+            None: chains. Not with `pending`.
 
     Returns:
         `out`, `[num_tokens, H, V]` like v.
@@ -80,11 +86,14 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
     if value_checks.should_check(q, query_start_loc, state_indices):
         checked = value_checks.verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction,
                                            key_gate, query_start_loc, state_indices,
-                                           lower_bound, scale, out, pending, spec_len)
+                                           lower_bound, scale, out, pending, spec_len, parent)
     # Positional: Dynamo graph-breaks on any op given a non-contiguous `out=`
     # keyword (its rule for out= variants), and `out` may be a strided view.
+    # A chain passes no `parent`: its calls and compiled graphs stay as they were.
+    tree = () if parent is None else (parent,)
     _ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                query_start_loc, state_indices, lower_bound, scale, out, pending, spec_len)
+                query_start_loc, state_indices, lower_bound, scale, out, pending, spec_len,
+                *tree)
     if checked is not None:
         value_checks.verify_done(checked, out, correction)
     return _ops.inference_only("verify", out, q, k, v, g, beta, A_log, dt_bias, state)
@@ -96,7 +105,7 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
            lower_bound: Optional[float] = None, request_indices: Optional[Tensor] = None,
            block_table: Optional[Tensor] = None, num_computed_tokens: Optional[Tensor] = None,
            block_size: Optional[int] = None, pending: Optional[Tensor] = None,
-           spec_len: Optional[int] = None) -> None:
+           spec_len: Optional[int] = None, accepted_path: Optional[Tensor] = None) -> None:
     """Folds each request's accepted prefix into its checkpoint and compacts
     the convolution history (docs/semantics.md#5-commit), for every layer at
     once (buffers stacked `[L, N, ...]`) or for one layer (4-D buffers).
@@ -126,6 +135,12 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
             R >= T positions, and `spec_len` gives T.
         spec_len: T, the window capacity: required with `pending`; without it
             T is the records' length (and spec_len, if given, must equal it).
+        accepted_path: `[rows, T]` int32/int64, the rows of
+            `num_accepted_tokens`: for windows that verify ran as trees, each
+            row's accepted nodes in path order (window-relative, entry 0 the
+            root 0); the first `num_accepted_tokens` are folded in that order
+            and the history follows them (docs/semantics.md#13-tree-drafts).
+            None: chains. Not with `pending`.
     """
     check_lower_bound(lower_bound)
     if block_size is not None:
@@ -137,18 +152,19 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
         checked = value_checks.commit_call(
             num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
             key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
-            num_computed_tokens, block_size, pending, spec_len)
+            num_computed_tokens, block_size, pending, spec_len, accepted_path)
     if spec_len is None and pending is None and isinstance(correction, Tensor) \
             and correction.dim() >= 2:
         # Always given: torch 2.11 drops trailing arguments left at their defaults
         # before it bumps the versions of the written ones, and then cannot find
         # `pending` (an IndexError outside inference mode).
         spec_len = correction.shape[-2]
+    tree = {} if accepted_path is None else dict(accepted_path=accepted_path)
     _ops.commit(num_accepted_tokens, state_indices, query_start_loc, state=state,
                 conv_state=conv_state, correction=correction, key_gate=key_gate, A_log=A_log,
                 dt_bias=dt_bias, lower_bound=lower_bound, request_indices=request_indices,
                 block_table=block_table, num_computed_tokens=num_computed_tokens,
-                block_size=block_size, pending=pending, spec_len=spec_len)
+                block_size=block_size, pending=pending, spec_len=spec_len, **tree)
     if checked is not None:
         value_checks.commit_done(checked, state)
 
@@ -215,7 +231,8 @@ def commit_plan(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_
 
 def conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
                 query_start_loc: Tensor, state_indices: Tensor, *,
-                activation: Optional[str] = "silu", out: Optional[Tensor] = None) -> Tensor:
+                activation: Optional[str] = "silu", out: Optional[Tensor] = None,
+                parent: Optional[Tensor] = None) -> Tensor:
     """Causal depthwise convolution over each request's window
     (docs/semantics.md#6-conv_update).
 
@@ -237,6 +254,9 @@ def conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Te
         query_start_loc: `[B + 1]` int32/int64; state_indices: `[B]` int32/int64.
         activation: "silu" or None.
         out: `[num_tokens, D]`, written (allocated like x when None).
+        parent: `[num_tokens]` int32/int64: tree windows, as in `verify`; node t
+            convolves its path's last W inputs, continuing into the history
+            past its root (docs/semantics.md#13-tree-drafts).
 
     Returns:
         `out`, `[num_tokens, D]`.
@@ -247,10 +267,11 @@ def conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Te
     checked = None
     if value_checks.should_check(x, query_start_loc, state_indices):
         checked = value_checks.conv_update_call(x, conv_state, weight, bias, query_start_loc,
-                                                state_indices, activation, out)
+                                                state_indices, activation, out, parent)
     # Positional, as in `verify`: a strided `out=` keyword makes Dynamo graph-break.
+    tree = () if parent is None else (parent,)
     _ops.conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
-                     out)
+                     out, *tree)
     if checked is not None:
         value_checks.conv_update_done(checked, out)
     return _ops.inference_only("conv_update", out, x, conv_state, weight, bias)

@@ -51,18 +51,39 @@ def _valid(index, num_blocks):
     return NULL_BLOCK < index < num_blocks
 
 
+def tree_path(parents, t):
+    """Window node t's path from its root, as window positions root first;
+    `parents` are the window's parent entries. A parent outside 0..t-1 (the
+    root's -1) ends the path: that node starts from the checkpoint."""
+    path = [t]
+    while 0 <= int(parents[path[-1]]) < path[-1]:
+        path.append(int(parents[path[-1]]))
+    return path[::-1]
+
+
+def accepted_positions(accepted_path, row, count, window):
+    """The record positions of the first `count` accepted nodes of row `row`
+    (0, 1, 2, ... without `accepted_path`); entries are read clamped into the
+    window's `window` nodes."""
+    if accepted_path is None:
+        return list(range(count))
+    return [min(max(int(accepted_path[row, i]), 0), window - 1) for i in range(count)]
+
+
 def _tokens(t):
     return t[0] if t.dim() == 4 else t
 
 
 def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
            query_start_loc, state_indices, lower_bound=None, scale=None, out=None,
-           pending=None, spec_len=None):
+           pending=None, spec_len=None, parent=None):
     """Returns (out, correction, key_gate) as verify must leave them. `out`, if
     given, supplies the values of tokens outside every window. With `pending`
     ([N] counts), each window starts from the checkpoint folded with its
     block's first `pending` records, and records its tokens after them; tokens
-    past `spec_len` (default: the records' length) get zero outputs."""
+    past `spec_len` (default: the records' length) get zero outputs. With
+    `parent` ([num_tokens], window-relative), each node runs along its own
+    path from the checkpoint (docs/semantics.md#13-tree-drafts)."""
     q, k, v, g = (_tokens(t) for t in (q, k, v, g))
     beta = beta[0] if beta.dim() == 3 else beta
     num_tokens, H, K = q.shape
@@ -82,11 +103,23 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         if not _valid(block, state.shape[0]):
             continue
         first = 0 if pending is None else min(max(int(pending[block]), 0), T)
+        nodes = min(max(eos - bos, 0), T - first, T if spec_len is None else spec_len)
+        if parent is not None:
+            for h in range(H):
+                for t in range(nodes):
+                    S = state[block, h].double()
+                    for node in tree_path(parent[bos:bos + nodes], t):
+                        n = bos + node
+                        S, u, o = step(S, q[n, h], k[n, h], v[n, h], g[n, h], beta[n, h],
+                                       A_log[h], dt_bias[h], lower_bound, scale)
+                    result[bos + t, h] = o
+                    correction[block, h, t] = u
+                    key_gate[block, h, t] = torch.cat([k[bos + t, h], g[bos + t, h]])
+            continue
         for h in range(H):
             S = fold(state[block, h].double(), correction[block, h], key_gate[block, h],
                      A_log[h], dt_bias[h], lower_bound, first)
-            for t in range(min(max(eos - bos, 0), T - first,
-                               T if spec_len is None else spec_len)):
+            for t in range(nodes):
                 n = bos + t
                 S, u, o = step(S, q[n, h], k[n, h], v[n, h], g[n, h], beta[n, h],
                                A_log[h], dt_bias[h], lower_bound, scale)
@@ -135,9 +168,12 @@ def commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
 def commit(num_accepted_tokens, state_indices, query_start_loc, *, state, conv_state,
            correction, key_gate, A_log, dt_bias, lower_bound=None, request_indices=None,
            block_table=None, num_computed_tokens=None, block_size=None, pending=None,
-           spec_len=None):
+           spec_len=None, accepted_path=None):
     """Returns (state, conv_state) as commit must leave them (float64 state);
-    with `pending`, the deferred schedule: (state, conv_state, pending)."""
+    with `pending`, the deferred schedule: (state, conv_state, pending). With
+    `accepted_path` ([rows, *] window positions), the records of the path's
+    nodes are folded in its order and the history follows the path
+    (docs/semantics.md#13-tree-drafts)."""
     if pending is not None:
         return _commit_deferred(
             num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
@@ -164,11 +200,14 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, *, state, conv_s
         c, final, boundary, r = commits[b], finals[b], boundaries[b], recoveries[b]
         if c == 0 or not _valid(src, N):
             continue
+        row = b if request_indices is None else int(request_indices[b])
+        window_len = min(int(query_start_loc[b + 1]) - int(query_start_loc[b]), T)
+        path = accepted_positions(accepted_path, row, c, window_len)
         for layer in range(states.shape[0]):
             for h in range(H):
                 S0 = originals[layer, src, h]
-                args = (corr[layer, src, h], kg[layer, src, h], A[layer, h], dt[layer, h],
-                        lower_bound)
+                args = (corr[layer, src, h][path], kg[layer, src, h][path], A[layer, h],
+                        dt[layer, h], lower_bound)
                 if _valid(boundary, N):
                     states[layer, boundary, h] = fold(S0, *args, r)
                 if _valid(final, N):
@@ -176,10 +215,12 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, *, state, conv_s
             if convs is not None:
                 history = convs.shape[-1] - (T - 1)
                 window = conv_originals[layer, src]
+                # [h_1 .. h_{W-2}] then the path's inputs: the last W-1 after n nodes.
+                sequence = window[:, list(range(history - 1)) + [history - 1 + p for p in path]]
                 if _valid(boundary, N):
-                    convs[layer, boundary, :, :history] = window[:, r - 1:r - 1 + history]
+                    convs[layer, boundary, :, :history] = sequence[:, r - 1:r - 1 + history]
                 if _valid(final, N):
-                    convs[layer, final, :, :history] = window[:, c - 1:c - 1 + history]
+                    convs[layer, final, :, :history] = sequence[:, c - 1:c - 1 + history]
     if not stacked:
         states = states[0]
         convs = None if convs is None else convs[0]
@@ -319,11 +360,12 @@ def causal_conv(history, tokens, weight, bias=None, activation="silu"):
 
 
 def conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
-                activation="silu", out=None):
+                activation="silu", out=None, parent=None):
     """Returns (out, conv_state) as conv update must leave them (float64 out,
     conv_state in its dtype). Per request: the first min(L, T) tokens are
     convolved and shifted into the history; tokens past T and tokens of null
-    rows get zeros. `out`, if given, supplies the tokens outside every window."""
+    rows get zeros. `out`, if given, supplies the tokens outside every window.
+    With `parent`, each node convolves its path's inputs after the history."""
     W = weight.shape[1]
     T = conv_state.shape[-1] - (W - 1) + 1
     result = (torch.full(x.shape, float("nan"), dtype=torch.float64) if out is None
@@ -339,7 +381,13 @@ def conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
             continue
         history = conv_state[block, :, :W - 1]
         tokens = x[bos:bos + processed]
-        result[bos:bos + processed] = causal_conv(history, tokens, weight, bias, activation)
+        if parent is None:
+            result[bos:bos + processed] = causal_conv(history, tokens, weight, bias, activation)
+        else:
+            for t in range(processed):
+                path = tree_path(parent[bos:bos + processed], t)
+                result[bos + t] = causal_conv(history, tokens[path], weight, bias,
+                                              activation)[-1]
         new_state[block, :, :W - 2 + processed] = torch.cat(
             [history[:, 1:], tokens.T.to(conv_state.dtype)], dim=1)
     return result, new_state

@@ -63,8 +63,9 @@ def use_triton(t: Tensor) -> bool:
 
 def runs_triton(t: Tensor, dims) -> bool:
     """Float64 calls run the PyTorch path on every device: the kernels
-    compute in float32 (docs/semantics.md#12-float64)."""
-    return not dims.float64 and use_triton(t)
+    compute in float32 (docs/semantics.md#12-float64); so do tree windows and
+    their commits (docs/semantics.md#13-tree-drafts)."""
+    return not dims.float64 and not dims.tree and use_triton(t)
 
 
 def opaque_when_functionalized(op):
@@ -92,6 +93,7 @@ def verify(
     query_start_loc: Tensor, state_indices: Tensor,
     lower_bound: Optional[float], scale: Optional[float], out: Tensor,
     pending: Optional[Tensor] = None, spec_len: Optional[int] = None,
+    parent: Optional[Tensor] = None,
 ) -> None:
     # Custom ops cannot return an alias of an input, so the op writes into a
     # caller-provided `out` (required here); `kda_ops.verify` allocates it when not given.
@@ -99,11 +101,15 @@ def verify(
     # defaulted ones, and keeping the positions keeps compiled graphs cached by Inductor
     # valid (its cache key does not cover op schemas).
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                        query_start_loc, state_indices, lower_bound, out, pending, spec_len)
+                        query_start_loc, state_indices, lower_bound, out, pending, spec_len,
+                        parent)
     scale = dims.key_dim ** -0.5 if scale is None else scale
-    impl = launch_verify if runs_triton(q, dims) else torch_impl.verify
-    impl(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate, query_start_loc,
-         state_indices, lower_bound, scale, out, dims, pending, dims.window_len)
+    args = (q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate, query_start_loc,
+            state_indices, lower_bound, scale, out, dims, pending, dims.window_len)
+    if runs_triton(q, dims):
+        launch_verify(*args)
+    else:
+        torch_impl.verify(*args, parent=parent)
 
 
 @opaque_when_functionalized
@@ -115,11 +121,12 @@ def commit(
     request_indices: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
     num_computed_tokens: Optional[Tensor] = None, block_size: Optional[int] = None,
     pending: Optional[Tensor] = None, spec_len: Optional[int] = None,
+    accepted_path: Optional[Tensor] = None,
 ) -> None:
     dims, plan = check_commit(num_accepted_tokens, state_indices, query_start_loc, state,
                               conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
                               request_indices, block_table, num_computed_tokens, block_size,
-                              pending, spec_len)
+                              pending, spec_len, accepted_path)
     if runs_triton(state, dims):
         launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                       correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
@@ -132,7 +139,8 @@ def commit(
     else:
         torch_impl.commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                           correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
-                          block_table, num_computed_tokens, block_size, dims, plan)
+                          block_table, num_computed_tokens, block_size, dims, plan,
+                          accepted_path)
 
 
 @opaque_when_functionalized
@@ -171,13 +179,17 @@ def commit_plan(
 def conv_update(
     x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
     query_start_loc: Tensor, state_indices: Tensor, activation: Optional[str], out: Tensor,
+    parent: Optional[Tensor] = None,
 ) -> None:
     # Writes into a caller-provided `out`, as verify does; `kda_ops.conv_update`
     # allocates it when not given.
     dims = check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
-                             activation, out)
-    impl = launch_conv_update if runs_triton(x, dims) else torch_impl.conv_update
-    impl(x, conv_state, weight, bias, query_start_loc, state_indices, activation, out, dims)
+                             activation, out, parent)
+    args = (x, conv_state, weight, bias, query_start_loc, state_indices, activation, out, dims)
+    if runs_triton(x, dims):
+        launch_conv_update(*args)
+    else:
+        torch_impl.conv_update(*args, parent=parent)
 
 
 @triton_op("kda_ops::aligned_state_indices", mutates_args=())

@@ -64,9 +64,69 @@ def _fold_records(S, correction_rows, key_gate_rows, A_log, dt_bias, lower_bound
     return S, at_boundary
 
 
+def _window_parents(parent, token, positions):
+    """Each window position's parent (window-relative; `token [B, T]` its
+    packed token, padding at the end), -1 where it starts from the checkpoint:
+    the root's -1, and any parent outside 0..t-1."""
+    padded = torch.cat([parent.long(), parent.new_full((1,), -1).long()])[token]
+    return torch.where((padded >= 0) & (padded < positions[None, :]), padded, -1)
+
+
+def _ancestors(parents):
+    """For window parents `[B, T]`: the ancestor-or-self mask `[B, T, T]`
+    (row t: the nodes on t's path) and each node's depth `[B, T]`."""
+    batch, width = parents.shape
+    eye = torch.eye(width, dtype=torch.bool, device=parents.device)
+    rows, depth = [], []
+    for t in range(width):
+        p = parents[:, t]
+        has = p >= 0
+        safe = p.clamp(min=0)
+        above = (torch.stack(rows, 1)[torch.arange(batch, device=p.device), safe] if t
+                 else torch.zeros(batch, width, dtype=torch.bool, device=p.device))
+        rows.append((above & has[:, None]) | eye[t])
+        depth.append(torch.where(has, torch.stack(depth, 1).gather(1, safe[:, None])[:, 0] + 1
+                                 if t else torch.zeros_like(p), 0))
+    return torch.stack(rows, 1), torch.stack(depth, 1)
+
+
+def _tree_window(S, kn, qn, log_decay, values, gain, live, parents):
+    """Every node of each window along its own path from the checkpoint S
+    `[B, H, V, K]`, in closed form (docs/semantics.md#13-tree-drafts): with
+    G_t the log decays summed along t's path, the decay between an ancestor
+    j and t is exp(G_t - G_j), so no per-node state is built. Token inputs
+    `[B, T, H, *]`; returns (corrections, outputs), lists over t of [B, H, V]."""
+    width = kn.shape[1]
+    ancestors, _ = _ancestors(parents)                                        # [B, T, T]
+    cumulative = []
+    for t in range(width):
+        p = parents[:, t]
+        before = (torch.stack(cumulative, 1)[torch.arange(p.shape[0], device=p.device),
+                                             p.clamp(min=0)] if t else torch.zeros_like(
+                                                 log_decay[:, 0]))
+        cumulative.append(log_decay[:, t] + torch.where((p >= 0)[:, None, None], before, 0.0))
+    G = torch.stack(cumulative, 1)                                            # [B, T, H, K]
+    from_checkpoint = torch.exp(G)
+    key_terms = torch.einsum("bhvk,bthk->bthv", S, from_checkpoint * kn)
+    query_terms = torch.einsum("bhvk,bthk->bthv", S, from_checkpoint * qn)
+    gap = G[:, :, None] - G[:, None, :]                                       # [B, t, j, H, K]
+    coupling = torch.exp(torch.where(ancestors[..., None, None], gap, -torch.inf))
+    key_coupling = torch.einsum("btjhk,bjhk,bthk->bhtj", coupling, kn, kn)
+    query_coupling = torch.einsum("btjhk,bjhk,bthk->bhtj", coupling, kn, qn)
+    corrections = []
+    for t in range(width):
+        earlier = sum((key_coupling[:, :, t, j, None] * corrections[j] for j in range(t)),
+                      torch.zeros_like(key_terms[:, t]))
+        u = gain[:, t, :, None] * (values[:, t] - key_terms[:, t] - earlier)
+        corrections.append(torch.where(live[:, t, None, None], u, 0.0))
+    U = torch.stack(corrections, 2)                                           # [B, H, T, V]
+    outputs = query_terms.transpose(1, 2) + torch.einsum("bhtj,bhjv->bhtv", query_coupling, U)
+    return corrections, list(outputs.unbind(2))
+
+
 def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
            query_start_loc, state_indices, lower_bound, scale, out, dims, pending=None,
-           spec_len=None):
+           spec_len=None, parent=None):
     batch, capacity = dims.batch, dims.spec_len  # record positions per block
     spec_len = capacity if spec_len is None else spec_len  # the longest window
     if batch == 0:
@@ -96,7 +156,8 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     raw_k, raw_g = gather(k), gather(g)
     kn = l2_normalize(raw_k.to(acc))
     qn = l2_normalize(gather(q).to(acc), scale)
-    decay = torch.exp(kda_gate(raw_g, dt_bias, A_log[:, None], lower_bound))
+    log_decay = kda_gate(raw_g, dt_bias, A_log[:, None], lower_bound)
+    decay = torch.exp(log_decay)
     values = gather(v).to(acc)
     gain = torch.sigmoid(_pad_token(beta)[token].to(acc))                     # [B, R, H]
 
@@ -105,7 +166,10 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     if pending is not None:
         S, _ = _fold_records(S, old_correction, old_key_gate, A_log, dt_bias, lower_bound, first)
     corrections, outputs = [], []
-    for t in range(spec_len):
+    if parent is not None:  # a tree: the immediate schedule, T = R
+        corrections, outputs = _tree_window(S, kn, qn, log_decay, values, gain, live,
+                                            _window_parents(parent, token, positions))
+    for t in range(0 if parent is not None else spec_len):
         decayed = S * decay[:, t, :, None, :]
         u = (values[:, t] - torch.einsum("bhvk,bhk->bhv", decayed, kn[:, t])) * gain[:, t, :, None]
         updated = decayed + u[..., None] * kn[:, t, :, None, :]
@@ -232,9 +296,29 @@ def _write_rows(buffer, rows, ok, values):
     buffer[:, safe] = torch.where(mask, values.to(buffer.dtype), buffer[:, safe])
 
 
+def path_positions(accepted_path, row, query_start_loc, spec_len):
+    """Each request's record positions in fold order, `[B, T]`: its accepted
+    path's entries clamped into its window's first min(L, T) nodes (0, 1, ...
+    for a chain)."""
+    positions = torch.arange(spec_len, device=query_start_loc.device)
+    if accepted_path is None or accepted_path.shape[0] == 0:
+        return positions.expand(row.shape[0], spec_len)
+    window = (query_start_loc[1:].long() - query_start_loc[:-1].long()).clamp(1, spec_len)
+    picked = accepted_path.long()[row.clamp(0, accepted_path.shape[0] - 1)]  # [B, T]
+    return torch.minimum(picked.clamp(min=0), window[:, None] - 1)
+
+
+def _path_sequence(rows, positions, history):
+    """The conv buffer's columns `[..., B, D, W-1+T-1]` in path order: the
+    W-2 kept history columns, then the inputs of the path's nodes."""
+    columns = torch.cat([torch.arange(history - 1, device=rows.device).expand(
+        positions.shape[0], history - 1), history - 1 + positions], dim=1)  # [B, W-2+T]
+    return rows.gather(-1, columns[:, None, :].expand(rows.shape[:-1] + (columns.shape[1],)))
+
+
 def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
            correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
-           block_table, num_computed_tokens, block_size, dims, plan):
+           block_table, num_computed_tokens, block_size, dims, plan, accepted_path=None):
     if plan.batch == 0:
         return
     commit_len, final, boundary, recovery = commit_plan(
@@ -250,6 +334,13 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_stat
     state5 = _layered(state, dims.stacked)
     corr = _layered(correction, dims.stacked)[:, safe_source]                 # [L, B, H, T, V]
     key_gate_rows = _layered(key_gate, dims.stacked)[:, safe_source]          # [L, B, H, T, 2K]
+    _, row, _, _ = _request_rows(num_accepted_tokens, state_indices, query_start_loc,
+                                 request_indices, block_table)
+    positions = path_positions(accepted_path, row, query_start_loc, dims.spec_len)
+    if accepted_path is not None:  # the records in path order
+        along = positions[None, :, None, :, None]
+        corr = corr.gather(3, along.expand_as(corr))
+        key_gate_rows = key_gate_rows.gather(3, along.expand_as(key_gate_rows))
     acc = precision(state)
     kn = l2_normalize(key_gate_rows[..., :K].to(acc))
     dt = dt_bias.reshape(L, 1, H, 1, K)
@@ -270,6 +361,8 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_stat
     if conv_state is not None:
         conv = _layered(conv_state, dims.stacked)                             # [L, N, D, W-1+T-1]
         rows = conv[:, safe_source]                                           # [L, B, D, cols]
+        if accepted_path is not None:
+            rows = _path_sequence(rows, positions, dims.conv_history)
         final_history = _history_after(rows, commit_len, dims.spec_len, dims.conv_history)
         if plan.align:
             boundary_history = _history_after(rows, recovery, dims.spec_len, dims.conv_history)
@@ -376,8 +469,22 @@ def flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias, l
                     torch.zeros_like(first)[None, :, None])
 
 
+def _tree_taps(parents, history):
+    """For window parents `[B, T]`: the column of `[history (W-1) | window (T)]`
+    that each node's tap j reads, `[B, T, W]`: its (W-1-j)-th ancestor's
+    input, continuing into the history past its root."""
+    batch, width = parents.shape
+    _, depth = _ancestors(parents)
+    node = torch.arange(width, device=parents.device).expand(batch, width)
+    taps = []
+    for back in range(history + 1):                       # back = W-1-j
+        taps.append(torch.where(node >= 0, history + node, history - back + depth))
+        node = torch.where(node >= 0, parents.gather(1, node.clamp(min=0)), -1)
+    return torch.stack(taps[::-1], dim=-1)
+
+
 def conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation, out,
-                dims):
+                dims, parent=None):
     """docs/semantics.md#6-conv_update, with the conventions of `kernels.conv`:
     null rows and tokens past T get zero outputs; only the first min(L, T)
     tokens reach the state."""
@@ -402,7 +509,12 @@ def conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, act
     # A sum over the W taps, not F.conv1d: conv1d's fake implementation picks a
     # CPU backend by batch size and so guards on it (a recompile under dynamic shapes).
     w = weight.to(acc)
-    y = sum(w[:, j, None] * seq[..., j:j + spec_len] for j in range(dims.width))  # [B, D, T]
+    if parent is None:
+        y = sum(w[:, j, None] * seq[..., j:j + spec_len] for j in range(dims.width))  # [B, D, T]
+    else:  # each node convolves its path's inputs after the history
+        taps = _tree_taps(_window_parents(parent, token, positions), history)     # [B, T, W]
+        y = sum(w[:, j, None] * seq.gather(-1, taps[:, None, :, j].expand(
+            -1, seq.shape[1], -1)) for j in range(dims.width))
     if bias is not None:
         y = y + bias.to(acc)[:, None]
     if activation == "silu":

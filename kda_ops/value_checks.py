@@ -300,12 +300,78 @@ def _live(indices, num_blocks):
     return [(row, block) for row, block in enumerate(indices.tolist()) if 0 < block < num_blocks]
 
 
+# ---------------------------------------------------------------- trees
+# The parents each verify ran its tree windows with, by the records it
+# wrote: key (id of the records' base tensor, storage offset) -> (weakref to
+# that base, {block: window parents}), so that commit can check its paths.
+_parents_by_records: dict = {}
+
+
+def check_parents(parent, query_start_loc, indices, num_blocks, spec_len):
+    """Each live tree window has its root first (-1) and every other node's
+    parent an earlier node. Returns {block: the window's parents}."""
+    parents, starts = _host(parent), _host(query_start_loc)
+    windows = {}
+    for row, block in _live(indices, num_blocks):
+        bos = starts[row].item()
+        nodes = parents[bos:bos + max(0, min(starts[row + 1].item() - bos, spec_len))].tolist()
+        for t, p in enumerate(nodes):
+            if (t == 0 and p != -1) or (t > 0 and not 0 <= p < t):
+                want = "-1 (the root)" if t == 0 else f"in 0..{t - 1}"
+                fail("parent", f"[{bos + t}] = {p} (row {row}'s node {t}) must be {want}: "
+                     f"nodes come in topological order, the root first")
+        windows[block] = nodes
+    return windows
+
+
+def record_parents(key_gate, windows):
+    for stale in [key for key, seen in _parents_by_records.items() if seen[0]() is None]:
+        del _parents_by_records[stale]
+    key, base = _records_key(key_gate, key_gate.storage_offset())
+    _parents_by_records[key] = (weakref.ref(base), windows)
+
+
+def check_accepted_path(accepted_path, key_gate, request_indices, indices, lengths, accepted,
+                        num_blocks, spec_len):
+    """Each live row's accepted path starts at the root 0, stays inside its
+    window and, where verify's parents are known (the checks were on), follows
+    them."""
+    paths = _host(accepted_path)
+    rows = (_host(request_indices) if request_indices is not None
+            else torch.arange(indices.numel()))
+    key, base = _records_key(key_gate, key_gate.storage_offset())
+    seen = _parents_by_records.get(key)
+    # Every layer of stacked records ran the same trees: layer 0's stand for them.
+    windows = seen[1] if seen is not None and seen[0]() is base else {}
+    for b, block in _live(indices, num_blocks):
+        row = rows[b].item()
+        if not 0 <= row < accepted.numel():
+            continue
+        count = min(max(accepted[row].item(), 0), lengths[b].item(), spec_len)
+        path = paths[row, :count].tolist()
+        window = min(lengths[b].item(), spec_len)
+        parents = windows.get(block)
+        for i, node in enumerate(path):
+            if i == 0 and node != 0:
+                fail("accepted_path", f"[{row}, 0] = {node} (row {b}) must be 0, the root")
+            if not 0 <= node < window:
+                fail("accepted_path", f"[{row}, {i}] = {node} (row {b}) lies outside its "
+                     f"window's {window} nodes")
+            if i > 0 and parents is not None and parents[node] != path[i - 1]:
+                fail("accepted_path", f"[{row}, {i}] = {node} (row {b}) is a child of node "
+                     f"{parents[node]}, not of the path's previous node {path[i - 1]}")
+            if i > 0 and node <= path[i - 1]:
+                fail("accepted_path", f"[{row}, {i}] = {node} (row {b}) must come after the "
+                     f"path's previous node {path[i - 1]}")
+
+
 def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                query_start_loc, state_indices, lower_bound, scale, out, pending, spec_len):
+                query_start_loc, state_indices, lower_bound, scale, out, pending, spec_len,
+                parent=None):
     """Checks before verify; returns what `verify_done` checks after it."""
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                         query_start_loc, state_indices, lower_bound, out, pending,
-                        spec_len)  # shapes first
+                        spec_len, parent)  # shapes first
     lengths = check_windows(query_start_loc, dims.window_len, num_tokens=dims.num_tokens,
                             spec_len_from="spec_len" if pending is not None else "correction's T")
     indices = check_blocks(state_indices, dims.num_blocks)
@@ -327,6 +393,8 @@ def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     for name, records in (("correction", correction), ("key_gate", key_gate)):
         check_cache_values("verify", "pending in", name, records, False, live, dim=-2)
     record_gates(key_gate, A_log, dt_bias, lower_bound)
+    record_parents(key_gate, {} if parent is None else check_parents(
+        parent, query_start_loc, indices, dims.num_blocks, dims.window_len))
     windows = [(row, block, first, sum(1 for _, r in tokens if r == row))
                for row, block, first in live]
     return tokens, windows
@@ -343,14 +411,16 @@ def verify_done(checked, out, correction):
 
 
 def conv_update_call(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
-                     out):
+                     out, parent=None):
     """Checks before conv_update; returns what `conv_update_done` checks after it."""
     dims = check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
-                             activation, out)
+                             activation, out, parent)
     check_windows(query_start_loc, dims.spec_len, num_tokens=dims.num_tokens, tokens_name="x",
                   spec_len_from=f"from conv_state's W-1+T-1 = {dims.width - 1 + dims.spec_len - 1}"
                   f" columns for W = {dims.width}")
     indices = check_blocks(state_indices, dims.num_blocks, cache_name="conv_state")
+    if parent is not None:
+        check_parents(parent, query_start_loc, indices, dims.num_blocks, dims.spec_len)
     tokens = _window_tokens(query_start_loc, indices, dims.num_blocks, dims.spec_len)
     check_token_values("conv_update", "given to", 2, tokens, x=x)
     check_parameter_values("conv_update", weight=weight, bias=bias)
@@ -370,7 +440,7 @@ def _check_plan_values(num_accepted_tokens, state_indices, query_start_loc, spec
     lengths = check_windows(query_start_loc, spec_len)
     indices = check_blocks(state_indices, num_blocks)
     check_accepted(num_accepted_tokens, request_indices, indices, lengths)
-    return indices
+    return indices, lengths
 
 
 def commit_plan_call(num_accepted_tokens, state_indices, query_start_loc, spec_len,
@@ -401,15 +471,19 @@ def _layer_plans(dims, window_len, metadata, block_size, counts):
 
 def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                 correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
-                block_table, num_computed_tokens, block_size, pending, spec_len):
+                block_table, num_computed_tokens, block_size, pending, spec_len,
+                accepted_path=None):
     """Checks before commit; returns what `commit_done` checks after it."""
     dims, plan = check_commit(num_accepted_tokens, state_indices, query_start_loc, state,
                               conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
                               request_indices, block_table, num_computed_tokens, block_size,
-                              pending, spec_len)
+                              pending, spec_len, accepted_path)
     window_len = dims.spec_len if spec_len is None else spec_len  # T, not the records' R
-    indices = _check_plan_values(num_accepted_tokens, state_indices, query_start_loc,
-                                 window_len, request_indices, dims.num_blocks)
+    indices, lengths = _check_plan_values(num_accepted_tokens, state_indices, query_start_loc,
+                                          window_len, request_indices, dims.num_blocks)
+    if accepted_path is not None:
+        check_accepted_path(accepted_path, key_gate, request_indices, indices, lengths,
+                            _host(num_accepted_tokens), dims.num_blocks, window_len)
     check_gates(key_gate, A_log, dt_bias, lower_bound, dims.stacked)
     if conv_state is not None:
         check_conv_width(conv_state, window_len, dims.stacked,

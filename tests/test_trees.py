@@ -1,0 +1,265 @@
+"""Tree drafts (docs/semantics.md#13-tree-drafts): verify and conv_update of
+tree windows, commit of an accepted path, against the float64 oracle (each
+node decoded along its own path) and against sequential decoding of the
+accepted tokens over a long run."""
+
+import random
+
+import pytest
+import torch
+
+import kda_ops
+from kda_ops import naive
+
+from helpers import DEVICES, INTERPRET, assert_rel_close, query_start_loc
+
+H, K, V, W = 2, 8, 4, 3
+D = H * (2 * K + V)
+# Tree calls run the PyTorch path on every device: the CPU run covers them.
+pytorch_path_only = pytest.mark.skipif(
+    INTERPRET, reason="tree calls run the PyTorch path on every device: the CPU run covers it")
+pytestmark = pytorch_path_only
+
+
+def tree_parents(shape, nodes, rng):
+    """Window parents of one tree of `nodes` nodes (root first, -1)."""
+    if shape == "chain":
+        return [-1] + list(range(nodes - 1))
+    if shape == "star":
+        return [-1] + [0] * (nodes - 1)
+    if shape == "binary":
+        return [-1] + [(t - 1) // 2 for t in range(1, nodes)]
+    if shape == "deep":  # a long trunk with a few short side branches
+        return [-1] + [t - 1 if t % 4 else max(t - 3, 0) for t in range(1, nodes)]
+    return [-1] + [rng.randrange(t) for t in range(1, nodes)]
+
+
+SHAPES = ("chain", "star", "binary", "deep", "random")
+
+
+def tree_batch(rng, T, lens, shapes):
+    """Packed parents of windows of `lens` nodes: trees of `shapes`; windows
+    past T keep their extra tokens' parents in range (they are not read)."""
+    parents = []
+    for length, shape in zip(lens, shapes):
+        nodes = tree_parents(shape, max(length, 1), rng)[:length]
+        parents += nodes
+    return torch.tensor(parents, dtype=torch.int32)
+
+
+def random_path(parents, rng):
+    """A root path of a window: to a random node, cut at a random length >= 1."""
+    path = naive.tree_path(parents, rng.randrange(len(parents)))
+    return path[:rng.randint(1, len(path))]
+
+
+def problem(device, seed, T=16, lens=(16, 7, 1, 12, 0, 16, 5), indices=(1, 2, 3, 0, 4, 5, 9),
+            shapes=("random", "binary", "chain", "star", "chain", "deep", "random"), N=8,
+            layers=2):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    qsl = query_start_loc(lens, "cpu")
+    n = int(qsl[-1])
+    args = dict(q=rand(n, H, K), k=rand(n, H, K), v=rand(n, H, V), g=rand(n, H, K),
+                beta=rand(n, H), A_log=rand(layers, H) * 0.5, dt_bias=rand(layers, H, K),
+                state=rand(layers, N, H, V, K), correction=rand(layers, N, H, T, V),
+                key_gate=rand(layers, N, H, T, 2 * K), conv_state=rand(layers, N, D, W - 1 + T - 1),
+                x=rand(n, D), weight=rand(D, W), bias=rand(D), query_start_loc=qsl,
+                state_indices=torch.tensor(indices, dtype=torch.int32),
+                parent=tree_batch(rng, T, lens, shapes))
+    paths, accepted = [], []
+    starts = qsl.tolist()
+    for b in range(len(lens)):
+        window = args["parent"][starts[b]:starts[b + 1]][:T].tolist()
+        path = random_path(window, rng) if window else [0]
+        accepted.append(len(path))
+        paths.append(path + [0] * (T - len(path)))
+    args["accepted_path"] = torch.tensor(paths, dtype=torch.int32)
+    args["num_accepted_tokens"] = torch.tensor(accepted, dtype=torch.int32)
+    return {name: t.to(device) for name, t in args.items()}, rng
+
+
+VERIFY = ("q", "k", "v", "g", "beta")
+
+
+def verify_layer(a, layer, **kwargs):
+    return kda_ops.verify(*(a[name] for name in VERIFY), a["A_log"][layer], a["dt_bias"][layer],
+                          a["state"][layer], a["correction"][layer], a["key_gate"][layer],
+                          a["query_start_loc"], a["state_indices"], parent=a["parent"],
+                          **kwargs)
+
+
+def cpu(a, *names):
+    return [a[name].cpu() for name in names]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_tree_verify_matches_the_oracle(device, lower_bound):
+    """Trees of every shape beside chains, a one-node window, an empty one, a
+    null row, a row past the cache; every node along its own path."""
+    a, _ = problem(device, seed=1)
+    expected_out, expected_corr, expected_kg = naive.verify(
+        *cpu(a, *VERIFY), a["A_log"][0].cpu(), a["dt_bias"][0].cpu(), a["state"][0].cpu(),
+        a["correction"][0].cpu(), a["key_gate"][0].cpu(), a["query_start_loc"].cpu(),
+        a["state_indices"].cpu(), lower_bound=lower_bound, parent=a["parent"].cpu())
+    out = verify_layer(a, 0, lower_bound=lower_bound)
+    written = ~torch.isnan(expected_out)
+    assert_rel_close(out.cpu()[written], expected_out[written], name="out")
+    assert_rel_close(a["correction"][0].cpu(), expected_corr, name="correction")
+    assert torch.equal(a["key_gate"][0].cpu(), expected_kg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_chain_given_as_a_tree_is_the_chain(device):
+    a, _ = problem(device, seed=2, shapes=("chain",) * 7)
+    chain = {name: t.clone() for name, t in a.items()}
+    tree_out = verify_layer(a, 1)
+    chain_out = kda_ops.verify(*(chain[name] for name in VERIFY), chain["A_log"][1],
+                               chain["dt_bias"][1], chain["state"][1], chain["correction"][1],
+                               chain["key_gate"][1], chain["query_start_loc"],
+                               chain["state_indices"])
+    assert_rel_close(tree_out, chain_out, tol=1e-5, name="out")
+    assert_rel_close(a["correction"], chain["correction"], tol=1e-5, name="correction")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_conv_update_matches_the_oracle(device):
+    a, _ = problem(device, seed=3)
+    conv_state = a["conv_state"][0]
+    expected_out, expected_state = naive.conv_update(
+        a["x"].cpu(), conv_state.cpu(), a["weight"].cpu(), a["bias"].cpu(),
+        a["query_start_loc"].cpu(), a["state_indices"].cpu(), parent=a["parent"].cpu())
+    out = kda_ops.conv_update(a["x"], conv_state, a["weight"], a["bias"], a["query_start_loc"],
+                              a["state_indices"], parent=a["parent"])
+    written = ~torch.isnan(expected_out)
+    assert_rel_close(out.cpu()[written], expected_out[written], name="out")
+    assert torch.equal(conv_state.cpu(), expected_state)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stacked", [True, False])
+def test_commit_of_an_accepted_path_matches_the_oracle(device, stacked):
+    a, _ = problem(device, seed=4)
+    layer = slice(None) if stacked else 0
+    caches = {name: a[name][layer] for name in ("state", "conv_state", "correction",
+                                                "key_gate", "A_log", "dt_bias")}
+    expected_state, expected_conv = naive.commit(
+        *cpu(a, "num_accepted_tokens", "state_indices", "query_start_loc"),
+        accepted_path=a["accepted_path"].cpu(), **{n: t.cpu() for n, t in caches.items()})
+    kda_ops.commit(a["num_accepted_tokens"], a["state_indices"], a["query_start_loc"],
+                   accepted_path=a["accepted_path"], **caches)
+    assert_rel_close(caches["state"].cpu(), expected_state, name="state")
+    assert torch.equal(caches["conv_state"].cpu(), expected_conv)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_commit_of_a_path_in_align_mode(device):
+    """Paths that cross a block boundary: the boundary state is the path's
+    state after `recovery` path tokens."""
+    a, _ = problem(device, seed=5, lens=(16, 9, 12), indices=(1, 2, 3),
+                   shapes=("random", "deep", "binary"))
+    table = torch.tensor([[1, 4], [2, 5], [3, 6]], dtype=torch.int32, device=device)
+    computed = torch.tensor([6, 7, 4], dtype=torch.int32, device=device)
+    caches = {name: a[name] for name in ("state", "conv_state", "correction", "key_gate",
+                                         "A_log", "dt_bias")}
+    align = dict(block_table=table, num_computed_tokens=computed, block_size=8)
+    expected_state, expected_conv = naive.commit(
+        *cpu(a, "num_accepted_tokens", "state_indices", "query_start_loc"),
+        accepted_path=a["accepted_path"].cpu(), **{n: t.cpu() for n, t in caches.items()},
+        **{n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in align.items()})
+    kda_ops.commit(a["num_accepted_tokens"], a["state_indices"], a["query_start_loc"],
+                   accepted_path=a["accepted_path"], **caches, **align)
+    assert_rel_close(caches["state"].cpu(), expected_state, name="state")
+    assert torch.equal(caches["conv_state"].cpu(), expected_conv)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_run_of_random_trees_against_sequential_decoding(device):
+    """200 steps; each drafts a random tree per request (1 to 16 nodes, mixed
+    with chains) and accepts a random root path. States after every step
+    against sequential float64 decoding of the accepted tokens."""
+    rng = random.Random(6)
+    gen = torch.Generator().manual_seed(6)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    T, N, B = 16, 5, 3
+    A_log, dt_bias = rand(H) * 0.5, rand(H, K)
+    state = torch.zeros(N, H, V, K)
+    truth = torch.zeros(N, H, V, K, dtype=torch.float64)
+    correction, key_gate = torch.zeros(N, H, T, V), torch.zeros(N, H, T, 2 * K)
+    blocks = torch.tensor([1, 2, 3], dtype=torch.int32)
+    moved = [t.to(device) for t in (state, correction, key_gate, A_log, dt_bias, blocks)]
+    state_d, correction_d, key_gate_d, A_log_d, dt_bias_d, blocks_d = moved
+    for step in range(200):
+        lens = [rng.randint(1, T) for _ in range(B)]
+        shapes = [rng.choice(SHAPES) for _ in range(B)]
+        parents = tree_batch(rng, T, lens, shapes)
+        qsl = query_start_loc(lens, "cpu")
+        n = int(qsl[-1])
+        q, k, g, v, beta = rand(n, H, K), rand(n, H, K), rand(n, H, K), rand(n, H, V), rand(n, H)
+        kda_ops.verify(*(t.to(device) for t in (q, k, v, g, beta)), A_log_d, dt_bias_d,
+                       state_d, correction_d, key_gate_d, qsl.to(device), blocks_d,
+                       lower_bound=-5.0, parent=parents.to(device))
+        paths, accepted = [], []
+        for b in range(B):
+            path = random_path(parents[qsl[b]:qsl[b + 1]].tolist(), rng)
+            accepted.append(len(path))
+            paths.append(path + [0] * (T - len(path)))
+            for h in range(H):
+                for node in path:
+                    token = int(qsl[b]) + node
+                    truth[b + 1, h], _, _ = naive.step(
+                        truth[b + 1, h], q[token, h], k[token, h], v[token, h], g[token, h],
+                        beta[token, h], A_log[h], dt_bias[h], -5.0, K ** -0.5)
+        kda_ops.commit(torch.tensor(accepted, dtype=torch.int32, device=device), blocks_d,
+                       qsl.to(device), state=state_d, correction=correction_d,
+                       key_gate=key_gate_d, A_log=A_log_d, dt_bias=dt_bias_d, lower_bound=-5.0,
+                       accepted_path=torch.tensor(paths, dtype=torch.int32, device=device))
+        assert_rel_close(state_d.cpu(), truth, tol=1e-4, name=f"state after step {step}")
+
+
+def test_trees_run_the_immediate_schedule():
+    a, _ = problem("cpu", seed=7)
+    pending = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="`parent` .*runs the immediate schedule"):
+        verify_layer(a, 0, pending=pending, spec_len=16)
+    with pytest.raises(ValueError, match="`accepted_path` .*runs the immediate schedule"):
+        kda_ops.commit(a["num_accepted_tokens"], a["state_indices"], a["query_start_loc"],
+                       state=a["state"][0], correction=a["correction"][0],
+                       key_gate=a["key_gate"][0], A_log=a["A_log"][0], dt_bias=a["dt_bias"][0],
+                       accepted_path=a["accepted_path"], pending=pending, spec_len=16)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda a: a["parent"].__setitem__(0, 0), r"`parent` \[0\] = 0 \(row 0's node 0\) must be "
+                                              r"-1 \(the root\)"),
+    (lambda a: a["parent"].__setitem__(5, 5), r"`parent` \[5\] = 5 \(row 0's node 5\) must be "
+                                              r"in 0..4"),
+])
+def test_value_checks_catch_trees_out_of_order(mutate, message):
+    a, _ = problem("cpu", seed=8, indices=(1, 2, 3, 0, 4, 5, 6))
+    mutate(a)
+    with kda_ops.value_checks():
+        with pytest.raises(ValueError, match=message):
+            verify_layer(a, 0)
+        with pytest.raises(ValueError, match=message):
+            kda_ops.conv_update(a["x"], a["conv_state"][0], a["weight"], a["bias"],
+                                a["query_start_loc"], a["state_indices"], parent=a["parent"])
+
+
+def test_value_checks_catch_paths_that_leave_the_tree():
+    a, _ = problem("cpu", seed=9, lens=(6,), indices=(1,), shapes=("binary",))
+    commit_args = dict(state=a["state"][0], correction=a["correction"][0],
+                       key_gate=a["key_gate"][0], A_log=a["A_log"][0], dt_bias=a["dt_bias"][0])
+    with kda_ops.value_checks():
+        verify_layer(a, 0)
+        for path, message in (([0, 1, 2], r"\[0, 2\] = 2 \(row 0\) is a child of node 0, not "
+                                          r"of the path's previous node 1"),
+                              ([1, 3], r"\[0, 0\] = 1 \(row 0\) must be 0, the root")):
+            accepted_path = torch.zeros(1, 16, dtype=torch.int32)
+            accepted_path[0, :len(path)] = torch.tensor(path)
+            with pytest.raises(ValueError, match=rf"`accepted_path` {message}"):
+                kda_ops.commit(torch.tensor([len(path)], dtype=torch.int32),
+                               a["state_indices"], a["query_start_loc"],
+                               accepted_path=accepted_path, **commit_args)
