@@ -112,6 +112,9 @@ class BatchPlan:
     (`num_computed_tokens % block_size == 0`) work in the next block, because
     `conv_update` shifts the history of the block it works in and a full block
     must keep its boundary state for prefix caching. Empty otherwise."""
+    spec_parent: Optional[Tensor] = None
+    """Tree drafts: the speculative group's window parents `[spec.num_tokens]`
+    (`verify` and `conv_update`'s `parent`); None for chains."""
 
     def copy_checkpoints(self, cache: Tensor, block_dim: int = 0) -> None:
         """Copies the moved checkpoints within one cache (recurrent state, conv
@@ -132,11 +135,14 @@ class BatchPlan:
             return num_accepted_tokens[:self.spec.num_requests]
         return num_accepted_tokens.index_select(0, rows)
 
-    def commit_arguments(self, num_accepted_tokens: Tensor) -> dict:
+    def commit_arguments(self, num_accepted_tokens: Tensor,
+                         accepted_path: Optional[Tensor] = None) -> dict:
         """Keyword arguments of `kda_ops.commit` except the cache buffers and
-        gate parameters, for per-row accepted counts `[R]`."""
+        gate parameters, for per-row accepted counts `[R]` (and, for trees,
+        per-row accepted paths `[R, T]`)."""
         align = self.align
-        return dict(
+        tree = {} if accepted_path is None else dict(accepted_path=accepted_path)
+        return dict(**tree,
             num_accepted_tokens=num_accepted_tokens,
             state_indices=self.spec.state_indices,
             query_start_loc=self.spec.query_start_loc,
@@ -158,6 +164,7 @@ def plan_batch(
     num_computed_tokens: Optional[Tensor] = None,
     cache_mode: str = "none",
     block_size: Optional[int] = None,
+    parent: Optional[Tensor] = None,
 ) -> BatchPlan:
     """Splits a batch of R rows into speculative, decode and prefill groups.
 
@@ -180,6 +187,10 @@ def plan_batch(
         block_size: tokens per block (align mode), at least `spec_len - 1`:
             commit writes one boundary state per request, so a window must not
             fill a block and complete another before its last one.
+        parent: `[num_tokens]` on the device, packed like the batch's tokens:
+            tree drafts' window parents (docs/semantics.md#13-tree-drafts; see
+            `parents_from_lists`, `parents_from_retrieve`); the plan's
+            `spec_parent` holds the speculative group's.
     """
     device = _check_plan_inputs(query_start_loc_cpu, query_start_loc, is_prefilling,
                                 block_table, spec_len, num_draft_tokens,
@@ -236,11 +247,19 @@ def plan_batch(
                              work_blocks.index_select(0, moved_rows))
 
     spec, decode, prefill = layouts
+    spec_group = spec.build(uploaded, query_start_loc, work_blocks, None)
+    spec_parent = None
+    if parent is not None:
+        check_tensor("parent", parent, shape=(int(query_start_loc_cpu[-1]),),
+                     dtypes=INDEX_DTYPES, device=device)
+        spec_parent = (parent[int(query_start_loc_cpu[0]):][:spec_group.num_tokens]
+                       if spec.is_prefix else parent.index_select(0, spec_group.token_indices))
     return BatchPlan(
-        spec=spec.build(uploaded, query_start_loc, work_blocks, None),
+        spec=spec_group,
         decode=decode.build(uploaded, query_start_loc, checkpoint_blocks, final_blocks),
         prefill=prefill.build(uploaded, query_start_loc, checkpoint_blocks, final_blocks),
-        spec_len=spec_len, align=align_arguments, checkpoint_copies=copies)
+        spec_len=spec_len, align=align_arguments, checkpoint_copies=copies,
+        spec_parent=spec_parent)
 
 
 class _Upload:
@@ -356,6 +375,11 @@ class StagedSpecDecodeMetadata:
     """`[B+1]`: padding rows repeat the last real start (empty windows)."""
     num_accepted_tokens: Tensor
     """`[B]`: padding rows hold 1."""
+    parent: Optional[Tensor] = None
+    """Tree drafts (buffers made with `spec_len`): `[B * T]` window parents,
+    the real tokens' first; None otherwise."""
+    accepted_path: Optional[Tensor] = None
+    """Tree drafts: `[B, T]` accepted paths, real rows first, then 0 (the root)."""
 
 
 class SpecDecodeGraphBuffers:
@@ -369,8 +393,15 @@ class SpecDecodeGraphBuffers:
     """
 
     def __init__(self, max_batch_size: int, device, *, num_state_slots: Optional[int] = None,
-                 dtype: torch.dtype = torch.int32):
+                 dtype: torch.dtype = torch.int32, spec_len: Optional[int] = None):
+        """`spec_len` (T) adds the buffers of tree drafts: parents and accepted paths."""
         slots = () if num_state_slots is None else (num_state_slots,)
+        self.spec_len = spec_len
+        self.parent = self.accepted_path = None
+        if spec_len is not None:
+            self.parent = torch.full((max_batch_size * spec_len,), -1, dtype=dtype, device=device)
+            self.accepted_path = torch.zeros(max_batch_size, spec_len, dtype=dtype,
+                                             device=device)
         self.max_batch_size = max_batch_size
         self.state_indices = torch.full((max_batch_size,) + slots, NULL_BLOCK, dtype=dtype,
                                         device=device)
@@ -383,18 +414,37 @@ class SpecDecodeGraphBuffers:
         batch = self.max_batch_size if batch_size is None else batch_size
         if not 0 <= batch <= self.max_batch_size:
             fail("batch_size", f"must be in [0, {self.max_batch_size}], got {batch}")
+        tree = {} if self.spec_len is None else dict(
+            parent=self.parent[:batch * self.spec_len], accepted_path=self.accepted_path[:batch])
         return StagedSpecDecodeMetadata(self.state_indices[:batch],
                                         self.query_start_loc[:batch + 1],
-                                        self.num_accepted_tokens[:batch])
+                                        self.num_accepted_tokens[:batch], **tree)
 
     def stage(self, state_indices: Tensor, query_start_loc: Tensor,
               num_spec_decodes: Union[int, Tensor], batch_size: Optional[int] = None,
-              num_accepted_tokens: Optional[Tensor] = None) -> StagedSpecDecodeMetadata:
+              num_accepted_tokens: Optional[Tensor] = None, *, parent: Optional[Tensor] = None,
+              accepted_path: Optional[Tensor] = None) -> StagedSpecDecodeMetadata:
         """Writes the first `num_spec_decodes` requests into the views of
         `batch_size` rows and returns them. `num_spec_decodes` may be a device
         tensor (see `kda_ops.stage_spec_decode_metadata`), so this call can
-        itself be captured. Without `num_accepted_tokens`, every row gets 1."""
+        itself be captured. Without `num_accepted_tokens`, every row gets 1.
+        Tree drafts (buffers made with `spec_len`): `parent` (the real tokens'
+        window parents) and `accepted_path` (the real rows') are copied in
+        first; the tokens and rows after them are outside every window or
+        padding, which no op reads."""
         staged = self.views(batch_size)
+        for name, given, buffer in (("parent", parent, staged.parent),
+                                    ("accepted_path", accepted_path, staged.accepted_path)):
+            if given is None:
+                continue
+            if buffer is None:
+                fail(name, "needs buffers made with spec_len (SpecDecodeGraphBuffers("
+                     "..., spec_len=T))")
+            check_tensor(name, given, ndim=buffer.dim(), dtypes=INDEX_DTYPES,
+                         device=buffer.device)
+            if given.shape[0] > buffer.shape[0] or given.shape[1:] != buffer.shape[1:]:
+                fail(name, f"must fit the staged {tuple(buffer.shape)}, got {tuple(given.shape)}")
+            buffer[:given.shape[0]].copy_(given)
         accepted = self._ones if num_accepted_tokens is None else num_accepted_tokens
         stage_spec_decode_metadata(state_indices, query_start_loc, accepted,
                                    staged.state_indices, staged.query_start_loc,
@@ -402,10 +452,12 @@ class SpecDecodeGraphBuffers:
         return staged
 
     def stage_plan(self, plan: BatchPlan, batch_size: Optional[int] = None,
-                   num_accepted_tokens: Optional[Tensor] = None) -> StagedSpecDecodeMetadata:
+                   num_accepted_tokens: Optional[Tensor] = None,
+                   accepted_path: Optional[Tensor] = None) -> StagedSpecDecodeMetadata:
         """`stage` for a plan whose active rows are all speculative and come
         first (the batches a graph is captured for). `num_accepted_tokens` are
-        per-row counts `[R]`, as `commit` takes them."""
+        per-row counts `[R]` and `accepted_path` per-row paths `[R, T]`, as
+        `commit` takes them; the plan's `spec_parent` is staged too."""
         spec = plan.spec
         others = plan.decode.num_requests + plan.prefill.num_requests
         if others or spec.request_indices is not None:
@@ -418,5 +470,45 @@ class SpecDecodeGraphBuffers:
                   f"got {batch}")
         accepted = (None if num_accepted_tokens is None
                     else plan.spec_accepted(num_accepted_tokens))
+        path = None if accepted_path is None else accepted_path[:spec.num_requests]
         return self.stage(spec.state_indices, spec.query_start_loc, spec.num_requests,
-                          batch_size, accepted)
+                          batch_size, accepted, parent=plan.spec_parent, accepted_path=path)
+
+
+# ------------------------------------------------------------- tree drafts
+def parents_from_lists(trees, device=None) -> Tensor:
+    """Packs per-request parent lists (window-relative, the root's -1) into
+    `verify`'s `parent` `[num_tokens]` int32 (docs/semantics.md#13-tree-drafts)."""
+    flat = [int(p) for tree in trees for p in tree]
+    return torch.tensor(flat, dtype=torch.int32, device=device)
+
+
+def parents_from_retrieve(retrieve_next_token: Tensor, retrieve_next_sibling: Tensor) -> Tensor:
+    """SGLang-style trees `[B, T]` (each node's first child, and its next
+    sibling, window-relative; -1 for none) to `verify`'s `parent`, packed for
+    windows of T nodes each: `[B * T]` int32, on their device, no host sync."""
+    check_tensor("retrieve_next_token", retrieve_next_token, ndim=2, dtypes=INDEX_DTYPES)
+    check_tensor("retrieve_next_sibling", retrieve_next_sibling,
+                 shape=tuple(retrieve_next_token.shape), dtypes=INDEX_DTYPES,
+                 device=retrieve_next_token.device)
+    batch, nodes = retrieve_next_token.shape
+    child, sibling = retrieve_next_token.long(), retrieve_next_sibling.long()
+    node = torch.arange(nodes, device=child.device).expand(batch, nodes)
+    parent = torch.full((batch, nodes + 1), -1, dtype=torch.long, device=child.device)
+    # A first child's parent is its node; -1 entries land in the spare column.
+    parent.scatter_(1, torch.where(child >= 0, child, nodes), node)
+    for _ in range(nodes - 1):  # a sibling shares its elder sibling's parent
+        parent.scatter_(1, torch.where(sibling >= 0, sibling, nodes), parent[:, :nodes])
+    return parent[:, :nodes].reshape(-1).to(torch.int32)
+
+
+def accepted_path_from_indices(accept_index: Tensor, query_start_loc: Tensor) -> tuple:
+    """SGLang-style accepted nodes `[B, T]` (packed token indices in path
+    order, -1 after the last) to `commit`'s `(num_accepted_tokens [B],
+    accepted_path [B, T])`, int32, window-relative, on their device."""
+    check_tensor("accept_index", accept_index, ndim=2, dtypes=INDEX_DTYPES)
+    check_tensor("query_start_loc", query_start_loc, shape=(accept_index.shape[0] + 1,),
+                 dtypes=INDEX_DTYPES, device=accept_index.device)
+    taken = accept_index >= 0
+    path = torch.where(taken, accept_index.long() - query_start_loc[:-1, None].long(), 0)
+    return taken.sum(1).to(torch.int32), path.to(torch.int32)

@@ -263,3 +263,53 @@ def test_value_checks_catch_paths_that_leave_the_tree():
                 kda_ops.commit(torch.tensor([len(path)], dtype=torch.int32),
                                a["state_indices"], a["query_start_loc"],
                                accepted_path=accepted_path, **commit_args)
+
+
+# ---------------------------------------------------------------- planner
+def test_parents_from_lists_and_from_sglang_retrieve_arrays():
+    from kda_ops.planner import parents_from_lists, parents_from_retrieve
+    trees = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 0, 4]]
+    packed = parents_from_lists(trees)
+    assert packed.dtype == torch.int32 and packed.tolist() == trees[0] + trees[1]
+    # The same trees as first-child / next-sibling arrays.
+    next_token = torch.tensor([[1, 3, 5, -1, -1, -1], [1, 2, 3, -1, 5, -1]])
+    next_sibling = torch.tensor([[-1, 2, -1, 4, -1, -1], [-1, 4, -1, -1, -1, -1]])
+    assert parents_from_retrieve(next_token, next_sibling).tolist() == trees[0] + trees[1]
+
+
+def test_accepted_path_from_packed_indices():
+    from kda_ops.planner import accepted_path_from_indices
+    qsl = torch.tensor([0, 6, 12], dtype=torch.int32)
+    accept_index = torch.tensor([[0, 1, 3, -1], [6, 7, -1, -1]])
+    counts, paths = accepted_path_from_indices(accept_index, qsl)
+    assert counts.tolist() == [3, 2] and paths.tolist() == [[0, 1, 3, 0], [0, 1, 0, 0]]
+
+
+def test_planner_carries_tree_metadata_to_the_ops_and_the_graph_buffers():
+    """plan_batch picks the speculative rows' parents out of the batch's; its
+    commit arguments and the staged buffers carry the accepted paths."""
+    from kda_ops.planner import SpecDecodeGraphBuffers, parents_from_lists, plan_batch
+    T = 4
+    trees = [[-1, 0, 0, 1], [-1, 0, 1], [-1], [-1, 0]]
+    qsl_cpu = torch.tensor([0, 4, 7, 8, 10], dtype=torch.int32)
+    plan = plan_batch(qsl_cpu, qsl_cpu.clone(), is_prefilling=torch.tensor([False, True, False,
+                                                                            False]),
+                      block_table=torch.tensor([[1], [2], [3], [4]], dtype=torch.int32),
+                      spec_len=T, num_draft_tokens=torch.tensor([3, -1, 0, 1]),
+                      parent=parents_from_lists(trees))
+    assert plan.spec.rows_cpu.tolist() == [0, 2, 3]
+    assert plan.spec_parent.tolist() == trees[0] + trees[2] + trees[3]
+    paths = torch.tensor([[0, 1, 3, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 1, 0, 0]],
+                         dtype=torch.int32)
+    args = plan.commit_arguments(torch.tensor([3, 1, 1, 2], dtype=torch.int32), paths)
+    assert args["accepted_path"] is paths and args["request_indices"].tolist() == [0, 2, 3]
+
+    first_rows = plan_batch(qsl_cpu[:2], qsl_cpu[:2].clone(), torch.tensor([False]),
+                            torch.tensor([[1]], dtype=torch.int32), spec_len=T,
+                            num_draft_tokens=torch.tensor([3]),
+                            parent=parents_from_lists(trees[:1]))
+    buffers = SpecDecodeGraphBuffers(3, "cpu", spec_len=T)
+    staged = buffers.stage_plan(first_rows, 2, torch.tensor([3], dtype=torch.int32), paths[:1])
+    assert staged.parent.shape == (8,) and staged.parent[:4].tolist() == trees[0]
+    assert staged.accepted_path.tolist() == [[0, 1, 3, 0], [0, 0, 0, 0]]
+    assert staged.num_accepted_tokens.tolist() == [3, 1]
