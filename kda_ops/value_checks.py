@@ -225,6 +225,14 @@ def check_cache_values(op, stage, name, t, stacked, entries, dim=None):
                  f"{stage} {op}: the value checks want finite values")
 
 
+def check_read_caches(op, records_stage, state, correction, key_gate, stacked, live):
+    """The state and the records (their first `count` positions) an op reads
+    from each live (row, block, count) are finite."""
+    check_cache_values(op, "given to", "state", state, stacked, live)
+    for name, records in (("correction", correction), ("key_gate", key_gate)):
+        check_cache_values(op, records_stage, name, records, stacked, live, dim=-2)
+
+
 def check_parameter_values(op, **tensors):
     for name, t in tensors.items():
         if isinstance(t, torch.Tensor):
@@ -389,9 +397,7 @@ def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     check_token_values("verify", "given to", 3, tokens, q=q, k=k, v=v, g=g)
     check_token_values("verify", "given to", 2, tokens, beta=beta)
     check_parameter_values("verify", A_log=A_log, dt_bias=dt_bias, scale=scale)
-    check_cache_values("verify", "given to", "state", state, False, live)
-    for name, records in (("correction", correction), ("key_gate", key_gate)):
-        check_cache_values("verify", "pending in", name, records, False, live, dim=-2)
+    check_read_caches("verify", "pending in", state, correction, key_gate, False, live)
     record_gates(key_gate, A_log, dt_bias, lower_bound)
     record_parents(key_gate, {} if parent is None else check_parents(
         parent, query_start_loc, indices, dims.num_blocks, dims.window_len))
@@ -504,9 +510,7 @@ def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv
     reads = torch.stack([folded for folded, _, _, _ in plans]).amax(0)
     live = [(row, block, reads[row].item()) for row, block in _live(indices, dims.num_blocks)
             if reads[row] > 0]
-    check_cache_values("commit", "given to", "state", state, dims.stacked, live)
-    for name, records in (("correction", correction), ("key_gate", key_gate)):
-        check_cache_values("commit", "given to", name, records, dims.stacked, live, dim=-2)
+    check_read_caches("commit", "given to", state, correction, key_gate, dims.stacked, live)
     return dims, plans
 
 
@@ -533,9 +537,7 @@ def flush_call(state_indices, state, correction, key_gate, pending, A_log, dt_bi
     counts = _host(pending).reshape(-1, dims.num_blocks).clamp(0, dims.spec_len)
     live = [(row, block, counts[:, block].max().item())
             for row, block in _live(indices, dims.num_blocks)]
-    check_cache_values("flush", "given to", "state", state, dims.stacked, live)
-    for name, records in (("correction", correction), ("key_gate", key_gate)):
-        check_cache_values("flush", "pending in", name, records, dims.stacked, live, dim=-2)
+    check_read_caches("flush", "pending in", state, correction, key_gate, dims.stacked, live)
     return dims, live
 
 
