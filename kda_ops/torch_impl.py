@@ -72,22 +72,26 @@ def _window_parents(parent, token, positions):
     return torch.where((padded >= 0) & (padded < positions[None, :]), padded, -1)
 
 
-def _ancestors(parents):
-    """For window parents `[B, T]`: the ancestor-or-self mask `[B, T, T]`
-    (row t: the nodes on t's path) and each node's depth `[B, T]`."""
-    batch, width = parents.shape
-    eye = torch.eye(width, dtype=torch.bool, device=parents.device)
-    rows, depth = [], []
-    for t in range(width):
+def _along_paths(parents, own):
+    """For window parents `[B, T]` and per-node terms `own [B, T, ...]`: each
+    node's sum of `own` over its path (itself and its ancestors)."""
+    sums = []
+    for t in range(parents.shape[1]):
         p = parents[:, t]
-        has = p >= 0
-        safe = p.clamp(min=0)
-        above = (torch.stack(rows, 1)[torch.arange(batch, device=p.device), safe] if t
-                 else torch.zeros(batch, width, dtype=torch.bool, device=p.device))
-        rows.append((above & has[:, None]) | eye[t])
-        depth.append(torch.where(has, torch.stack(depth, 1).gather(1, safe[:, None])[:, 0] + 1
-                                 if t else torch.zeros_like(p), 0))
-    return torch.stack(rows, 1), torch.stack(depth, 1)
+        above = (torch.stack(sums, 1)[torch.arange(p.shape[0], device=p.device), p.clamp(min=0)]
+                 if t else torch.zeros_like(own[:, 0]))
+        has = (p >= 0).view((-1,) + (1,) * (own.dim() - 2))
+        sums.append(own[:, t] + torch.where(has, above, torch.zeros_like(above)))
+    return torch.stack(sums, 1)
+
+
+def _ancestors(parents):
+    """The ancestor-or-self mask `[B, T, T]` (row t: the nodes on t's path) and
+    each node's depth `[B, T]` (the root's 0)."""
+    batch, width = parents.shape
+    eye = torch.eye(width, dtype=torch.int64, device=parents.device).expand(batch, width, width)
+    on_path = _along_paths(parents, eye) > 0
+    return on_path, on_path.sum(-1) - 1
 
 
 def _tree_window(S, kn, qn, log_decay, values, gain, live, parents):
@@ -98,14 +102,7 @@ def _tree_window(S, kn, qn, log_decay, values, gain, live, parents):
     `[B, T, H, *]`; returns (corrections, outputs), lists over t of [B, H, V]."""
     width = kn.shape[1]
     ancestors, _ = _ancestors(parents)                                        # [B, T, T]
-    cumulative = []
-    for t in range(width):
-        p = parents[:, t]
-        before = (torch.stack(cumulative, 1)[torch.arange(p.shape[0], device=p.device),
-                                             p.clamp(min=0)] if t else torch.zeros_like(
-                                                 log_decay[:, 0]))
-        cumulative.append(log_decay[:, t] + torch.where((p >= 0)[:, None, None], before, 0.0))
-    G = torch.stack(cumulative, 1)                                            # [B, T, H, K]
+    G = _along_paths(parents, log_decay)                                      # [B, T, H, K]
     from_checkpoint = torch.exp(G)
     key_terms = torch.einsum("bhvk,bthk->bthv", S, from_checkpoint * kn)
     query_terms = torch.einsum("bhvk,bthk->bthv", S, from_checkpoint * qn)
