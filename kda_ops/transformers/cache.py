@@ -12,7 +12,7 @@ kda_ops' layout (block b + 1 holds sequence b; block 0 is the null block):
 
 A forward of S tokens runs its last min(S, T) tokens as a window through
 `conv_update` and `verify`; the tokens before them (a prompt) run in windows
-of T tokens that are committed at once. The last window stays pending:
+of up to PREFILL_WINDOW tokens that are committed at once. The last window stays pending:
 `crop(-n)` (transformers' rollback after verification) commits its first
 L - n tokens for every KDA layer in one `commit`, and the next forward
 commits all of it first. The attention layers keep transformers' own
@@ -29,6 +29,10 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from .. import api
 from .model import find_cache, kda_layers, kda_shape, route_kda_layers, text_config
+
+# A prompt's tokens run in windows of up to this many (fewer launches than windows
+# of T); the records sized for it last only until the next forward.
+PREFILL_WINDOW = 64
 
 
 class _KDACacheLayer:
@@ -155,18 +159,17 @@ class KDACache(Cache):
             key_gate=zeros(L, N, H, T, 2 * K, dtype=dtype),
             state_indices=torch.arange(1, N, dtype=torch.int32, device=device))
 
-    def _resize_records(self, spec_len: int) -> None:
-        """Records and convolution columns for windows of up to `spec_len`
+    def _resize_records(self, capacity: int) -> None:
+        """Records and convolution columns for windows of up to `capacity`
         tokens; the convolution history carries over. Only between windows."""
         b = self._buffers
         L, N, H, _, K = b["correction"].shape
         history = self._shape.conv_width - 1
-        conv = b["conv_state"].new_zeros(L, N, b["conv_state"].shape[2], history + spec_len - 1)
+        conv = b["conv_state"].new_zeros(L, N, b["conv_state"].shape[2], history + capacity - 1)
         conv[..., :history] = b["conv_state"][..., :history]
         b["conv_state"] = conv
-        b["correction"] = b["correction"].new_zeros(L, N, H, spec_len, K)
-        b["key_gate"] = b["key_gate"].new_zeros(L, N, H, spec_len, 2 * K)
-        self._spec_len = spec_len
+        b["correction"] = b["correction"].new_zeros(L, N, H, capacity, K)
+        b["key_gate"] = b["key_gate"].new_zeros(L, N, H, capacity, 2 * K)
 
     def _windows(self, batch: int, length: int, device) -> Tensor:
         """query_start_loc of `batch` windows of `length` tokens each."""
@@ -222,12 +225,16 @@ class KDACache(Cache):
             raise ValueError(f"kda_ops.transformers: the cache holds {self.batch_size} "
                              f"sequences, the forward brings {batch}: reset() it first")
         # A recording generation rolls back up to a whole window after a
-        # forward that continues the sequence: the records must hold it.
-        recording = self._recording is not None
-        wanted = max(self._spec_len, length if (recording and not self._fresh) else 1)
-        if wanted != self._buffers["correction"].shape[3]:
-            self._resize_records(wanted)
+        # forward that continues the sequence: T must hold it.
+        if self._recording is not None and not self._fresh:
+            self._spec_len = max(self._spec_len, length)
         self._window = min(length, self._spec_len)
+        # The tokens before the window (a prompt) run in windows of up to
+        # PREFILL_WINDOW tokens, which the records then hold until the next forward.
+        prefix = length - self._window
+        capacity = max(self._spec_len, min(prefix, PREFILL_WINDOW))
+        if capacity != self._buffers["correction"].shape[3]:
+            self._resize_records(capacity)
         self._verified = 0
         self._seq_len += length
         self._fresh = False
@@ -255,9 +262,10 @@ class KDACache(Cache):
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         length = hidden_states.shape[1]
         prefix = length - self._window
+        capacity = self._buffers["correction"].shape[3]
         outputs = []
-        for start in range(0, prefix, self._spec_len):
-            chunk = hidden_states[:, start:min(start + self._spec_len, prefix)]
+        for start in range(0, prefix, capacity):
+            chunk = hidden_states[:, start:min(start + capacity, prefix)]
             outputs.append(self._run_window(module, slot, chunk))
             self._commit(chunk.shape[1], slot=slot, window=chunk.shape[1])
         outputs.append(self._run_window(module, slot, hidden_states[:, prefix:]))
