@@ -131,37 +131,52 @@ def check_accepted(num_accepted_tokens, request_indices, indices, lengths):
                   f"[0, {lengths[b].item()}], the length of row {b}'s window")
 
 
-# The gate parameters each verify used, by the records it wrote: key
-# (id of the records' base tensor, storage offset) -> (weakref to that base, A_log,
-# dt_bias, lower_bound), so that commit can compare what it is given.
-_gates_by_records: dict = {}
+class SeenTensors:
+    """What checked calls saw of a tensor they wrote, for later calls to
+    compare: keyed by the tensor's base and storage offset (a layer's slice of
+    stacked caches has its own), dropped once the base is freed."""
+
+    def __init__(self):
+        self._seen = {}  # (id of the base, storage offset) -> (weakref to the base, value)
+
+    @staticmethod
+    def _key(t, offset):
+        base = t if t._base is None else t._base
+        return (id(base), offset), base
+
+    def record(self, t, value):
+        for stale in [key for key, (ref, _) in self._seen.items() if ref() is None]:
+            del self._seen[stale]
+        key, base = self._key(t, t.storage_offset())
+        self._seen[key] = (weakref.ref(base), value)
+
+    def per_layer(self, t, stacked):
+        """(layer, value) for each layer of `t` (`[L, ...]` if stacked) that a
+        checked call recorded."""
+        for layer in range(t.shape[0] if stacked else 1):
+            offset = t.storage_offset() + (layer * t.stride(0) if stacked else 0)
+            key, base = self._key(t, offset)
+            seen = self._seen.get(key)
+            if seen is not None and seen[0]() is base:
+                yield layer, seen[1]
 
 
-def _records_key(key_gate, offset):
-    base = key_gate if key_gate._base is None else key_gate._base
-    return (id(base), offset), base
+# The gate parameters each verify used, by the records it wrote, so that
+# commit can compare what it is given.
+_gates_by_records = SeenTensors()
 
 
 def record_gates(key_gate, A_log, dt_bias, lower_bound):
-    for stale in [key for key, seen in _gates_by_records.items() if seen[0]() is None]:
-        del _gates_by_records[stale]  # records of freed tensors
-    key, base = _records_key(key_gate, key_gate.storage_offset())
-    _gates_by_records[key] = (weakref.ref(base), A_log.detach().cpu().clone(),
-                              dt_bias.detach().cpu().reshape(-1).clone(), lower_bound)
+    _gates_by_records.record(key_gate, (A_log.detach().cpu().clone(),
+                                        dt_bias.detach().cpu().reshape(-1).clone(), lower_bound))
 
 
 def check_gates(key_gate, A_log, dt_bias, lower_bound, stacked):
     """The gate parameters given to commit are those verify used for each
     layer's records (layers whose records verify wrote with checks off are not
     compared)."""
-    layers = key_gate.shape[0] if stacked else 1
-    for layer in range(layers):
-        offset = key_gate.storage_offset() + (layer * key_gate.stride(0) if stacked else 0)
-        key, base = _records_key(key_gate, offset)
-        seen = _gates_by_records.get(key)
-        if seen is None or seen[0]() is not base:
-            continue
-        _, seen_A_log, seen_dt_bias, seen_lower_bound = seen
+    for layer, (seen_A_log, seen_dt_bias, seen_lower_bound) in _gates_by_records.per_layer(
+            key_gate, stacked):
         where = f" for layer {layer}" if stacked else ""
         for name, value, used in (
                 ("A_log", A_log[layer] if stacked else A_log, seen_A_log),
@@ -274,29 +289,15 @@ def check_written_blocks(source, commit_len, final, boundary, num_blocks):
             writers[block] = (row, kind)
 
 
-# The convolution width each conv_update used, by the conv state it wrote:
-# key (id of the base tensor, storage offset) -> (weakref to the base, W).
-_widths_by_conv_state: dict = {}
-
-
-def record_conv_width(conv_state, width):
-    for stale in [key for key, seen in _widths_by_conv_state.items() if seen[0]() is None]:
-        del _widths_by_conv_state[stale]
-    key, base = _records_key(conv_state, conv_state.storage_offset())
-    _widths_by_conv_state[key] = (weakref.ref(base), width)
+# The convolution width each conv_update used, by the conv state it wrote.
+_widths_by_conv_state = SeenTensors()
 
 
 def check_conv_width(conv_state, window_len, stacked, window_from):
     """commit reads the history at columns 0..W-2 of a `W-1+T-1` buffer: the
     width conv_update convolved each layer's conv state with must match T."""
-    layers = conv_state.shape[0] if stacked else 1
-    for layer in range(layers):
-        offset = conv_state.storage_offset() + (layer * conv_state.stride(0) if stacked else 0)
-        key, base = _records_key(conv_state, offset)
-        seen = _widths_by_conv_state.get(key)
-        if seen is None or seen[0]() is not base:
-            continue
-        width, columns = seen[1], conv_state.shape[-1]
+    for layer, width in _widths_by_conv_state.per_layer(conv_state, stacked):
+        columns = conv_state.shape[-1]
         if columns != width - 1 + window_len - 1:
             where = f" layer {layer}'s" if stacked else ""
             fail("conv_state", f"has {columns} columns in{where} blocks, but conv_update "
@@ -309,10 +310,9 @@ def _live(indices, num_blocks):
 
 
 # ---------------------------------------------------------------- trees
-# The parents each verify ran its tree windows with, by the records it
-# wrote: key (id of the records' base tensor, storage offset) -> (weakref to
-# that base, {block: window parents}), so that commit can check its paths.
-_parents_by_records: dict = {}
+# The parents each verify ran its tree windows with ({block: window parents}),
+# by the records it wrote, so that commit can check its paths.
+_parents_by_records = SeenTensors()
 
 
 def check_parents(parent, query_start_loc, indices, num_blocks, spec_len):
@@ -332,13 +332,6 @@ def check_parents(parent, query_start_loc, indices, num_blocks, spec_len):
     return windows
 
 
-def record_parents(key_gate, windows):
-    for stale in [key for key, seen in _parents_by_records.items() if seen[0]() is None]:
-        del _parents_by_records[stale]
-    key, base = _records_key(key_gate, key_gate.storage_offset())
-    _parents_by_records[key] = (weakref.ref(base), windows)
-
-
 def check_accepted_path(accepted_path, key_gate, request_indices, indices, lengths, accepted,
                         num_blocks, spec_len):
     """Each live row's accepted path starts at the root 0, stays inside its
@@ -347,10 +340,8 @@ def check_accepted_path(accepted_path, key_gate, request_indices, indices, lengt
     paths = _host(accepted_path)
     rows = (_host(request_indices) if request_indices is not None
             else torch.arange(indices.numel()))
-    key, base = _records_key(key_gate, key_gate.storage_offset())
-    seen = _parents_by_records.get(key)
     # Every layer of stacked records ran the same trees: layer 0's stand for them.
-    windows = seen[1] if seen is not None and seen[0]() is base else {}
+    windows = next((seen for _, seen in _parents_by_records.per_layer(key_gate, False)), {})
     for b, block in _live(indices, num_blocks):
         row = rows[b].item()
         if not 0 <= row < accepted.numel():
@@ -399,7 +390,7 @@ def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     check_parameter_values("verify", A_log=A_log, dt_bias=dt_bias, scale=scale)
     check_read_caches("verify", "pending in", state, correction, key_gate, False, live)
     record_gates(key_gate, A_log, dt_bias, lower_bound)
-    record_parents(key_gate, {} if parent is None else check_parents(
+    _parents_by_records.record(key_gate, {} if parent is None else check_parents(
         parent, query_start_loc, indices, dims.num_blocks, dims.window_len))
     windows = [(row, block, first, sum(1 for _, r in tokens if r == row))
                for row, block, first in live]
@@ -433,7 +424,7 @@ def conv_update_call(x, conv_state, weight, bias, query_start_loc, state_indices
     history = [(row, block, dims.width - 1) for row, block in _live(indices, dims.num_blocks)]
     check_cache_values("conv_update", "given to", "conv_state", conv_state, False, history,
                        dim=-1)
-    record_conv_width(conv_state, dims.width)
+    _widths_by_conv_state.record(conv_state, dims.width)
     return tokens
 
 
