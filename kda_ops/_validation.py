@@ -348,7 +348,7 @@ class CommitDims:
 def _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound):
     """The caches and gate parameters that commit and flush take, stacked
     `[L, N, ...]` or one layer's. Returns (device, stacked, lead dims, layers,
-    blocks, heads, V, K, record positions, float64)."""
+    blocks, heads, V, K, record positions, the name of the float64 tensor or None)."""
     origin = _float64_origin(state=state)
     activation_dtypes, hint = _dtypes(origin, ACTIVATION_DTYPES)
     check_tensor("state", state, ndim=(4, 5), dtypes=_dtypes(origin, STATE_DTYPES)[0],
@@ -373,7 +373,7 @@ def _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound
                  num_layers=num_layers if stacked else None)
     check_lower_bound(lower_bound)
     return (device, stacked, lead, num_layers, num_blocks, num_heads, value_dim, key_dim,
-            positions, origin is not None)
+            positions, origin)
 
 
 def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
@@ -389,15 +389,15 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
                   num_computed_tokens=num_computed_tokens, pending=pending,
                   accepted_path=accepted_path)
     (device, stacked, lead, num_layers, num_blocks, num_heads, value_dim, key_dim,
-     spec_len, float64) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias,
-                                              lower_bound)
+     spec_len, origin) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias,
+                                             lower_bound)
     if pending is not None:
         check_tensor("pending", pending, shape=lead + (num_blocks,), dtypes=INDEX_DTYPES,
                      device=device, written=True)
     window_len = _check_window_len(window_len, pending, spec_len)
     conv_dim, conv_history = 0, 0
     if conv_state is not None:
-        conv_dtypes, hint = _dtypes("state" if float64 else None, ACTIVATION_DTYPES)
+        conv_dtypes, hint = _dtypes(origin, ACTIVATION_DTYPES)
         check_tensor("conv_state", conv_state, shape=lead + (num_blocks, None, None),
                      dtypes=conv_dtypes, device=device, written=True, inner_dims=2,
                      dtype_hint=hint)
@@ -417,7 +417,7 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
             fail("accepted_path", "(a tree's commit) runs the immediate schedule: give no "
                  "`pending` with it (docs/semantics.md#13-tree-drafts)")
     dims = CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, spec_len,
-                      conv_dim, conv_history, float64, accepted_path is not None)
+                      conv_dim, conv_history, origin is not None, accepted_path is not None)
     return dims, plan
 
 
@@ -484,13 +484,13 @@ def check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_b
     check_devices(state_indices=state_indices, state=state, correction=correction,
                   key_gate=key_gate, pending=pending, A_log=A_log, dt_bias=dt_bias)
     (device, stacked, lead, num_layers, num_blocks, num_heads, value_dim, key_dim,
-     positions, float64) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias,
-                                               lower_bound)
+     positions, origin) = _check_layer_caches(state, correction, key_gate, A_log, dt_bias,
+                                              lower_bound)
     check_tensor("pending", pending, shape=lead + (num_blocks,), dtypes=INDEX_DTYPES,
                  device=device, written=True)
     check_tensor("state_indices", state_indices, ndim=1, dtypes=INDEX_DTYPES, device=device)
     return CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, positions,
-                      0, 0, float64)
+                      0, 0, origin is not None)
 
 
 def check_aligned_state_indices(block_table, seq_lens, block_size, num_state_slots):

@@ -295,10 +295,9 @@ def _write_rows(buffer, rows, ok, values):
 
 def path_positions(accepted_path, row, query_start_loc, spec_len):
     """Each request's record positions in fold order, `[B, T]`: its accepted
-    path's entries clamped into its window's first min(L, T) nodes (0, 1, ...
-    for a chain)."""
+    path's entries clamped into its window's first min(L, T) nodes."""
     positions = torch.arange(spec_len, device=query_start_loc.device)
-    if accepted_path is None or accepted_path.shape[0] == 0:
+    if accepted_path.shape[0] == 0:  # no row: nothing is folded
         return positions.expand(row.shape[0], spec_len)
     window = (query_start_loc[1:].long() - query_start_loc[:-1].long()).clamp(1, spec_len)
     picked = accepted_path.long()[row.clamp(0, accepted_path.shape[0] - 1)]  # [B, T]
@@ -331,10 +330,10 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_stat
     state5 = _layered(state, dims.stacked)
     corr = _layered(correction, dims.stacked)[:, safe_source]                 # [L, B, H, T, V]
     key_gate_rows = _layered(key_gate, dims.stacked)[:, safe_source]          # [L, B, H, T, 2K]
-    _, row, _, _ = _request_rows(num_accepted_tokens, state_indices, query_start_loc,
-                                 request_indices, block_table)
-    positions = path_positions(accepted_path, row, query_start_loc, dims.spec_len)
     if accepted_path is not None:  # the records in path order
+        _, row, _, _ = _request_rows(num_accepted_tokens, state_indices, query_start_loc,
+                                     request_indices, block_table)
+        positions = path_positions(accepted_path, row, query_start_loc, dims.spec_len)
         along = positions[None, :, None, :, None]
         corr = corr.gather(3, along.expand_as(corr))
         key_gate_rows = key_gate_rows.gather(3, along.expand_as(key_gate_rows))

@@ -198,13 +198,13 @@ class KDACache(Cache):
                    correction=b["correction"][layer], key_gate=b["key_gate"][layer],
                    A_log=A_log, dt_bias=dt_bias)
 
-    def _settle(self) -> None:
-        """Commits the whole pending window (its tokens stay in the cache)."""
+    def _settle(self, remove: int = 0) -> None:
+        """Commits the pending window but its last `remove` tokens."""
         if self._window:
             if self._verified != len(self._modules):
                 raise RuntimeError("kda_ops.transformers: the cache's last forward did not run "
                                    "every KDA layer; call reset() before using it again")
-            self._commit(self._window)
+            self._commit(self._window - remove)
             self._window = 0
 
     # ---------------------------------------------------------------- forward
@@ -309,12 +309,7 @@ class KDACache(Cache):
             raise ValueError(f"kda_ops.transformers: `crop` can remove at most the "
                              f"{self._window} tokens of the last forward's window (a KDA layer "
                              f"keeps no earlier state), got {remove}")
-        if self._window:
-            if self._verified != len(self._modules):
-                raise RuntimeError("kda_ops.transformers: the cache's last forward did not run "
-                                   "every KDA layer; call reset() before using it again")
-            self._commit(self._window - remove)
-            self._window = 0
+        self._settle(remove)
         self._seq_len -= remove
         for layer in self._attention_layers():
             layer.crop(tokens_to_remove)
