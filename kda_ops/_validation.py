@@ -189,7 +189,6 @@ class VerifyDims:
     batch: int
     window_len: int  # the longest window, T <= R
     float64: bool  # runs the PyTorch path in float64
-    tree: bool  # windows are trees (`parent`): the PyTorch path
 
 
 def _check_window_len(window_len, pending, positions):
@@ -260,7 +259,7 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     check_lower_bound(lower_bound)
     _check_parent(parent, num_tokens, device, pending)
     return VerifyDims(num_tokens, num_heads, key_dim, value_dim, num_blocks, spec_len, batch,
-                      window_len, origin is not None, parent is not None)
+                      window_len, origin is not None)
 
 
 def _check_parent(parent, num_tokens, device, pending=None):
@@ -342,7 +341,6 @@ class CommitDims:
     conv_dim: int
     conv_history: int
     float64: bool  # runs the PyTorch path in float64
-    tree: bool = False  # folds an accepted path of a tree: the PyTorch path
 
 
 def _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound):
@@ -417,7 +415,7 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
             fail("accepted_path", "(a tree's commit) runs the immediate schedule: give no "
                  "`pending` with it (docs/semantics.md#13-tree-drafts)")
     dims = CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, spec_len,
-                      conv_dim, conv_history, origin is not None, accepted_path is not None)
+                      conv_dim, conv_history, origin is not None)
     return dims, plan
 
 
@@ -438,7 +436,6 @@ class ConvDims:
     num_blocks: int
     batch: int
     float64: bool  # runs the PyTorch path in float64
-    tree: bool  # windows are trees (`parent`): the PyTorch path
 
 
 def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
@@ -476,7 +473,7 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
                  inner_dims=1, dtype_hint=hint)
     _check_parent(parent, num_tokens, device)
     return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch,
-                    origin is not None, parent is not None)
+                    origin is not None)
 
 
 def check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,

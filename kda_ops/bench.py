@@ -1,7 +1,7 @@
 """Benchmark: every op through one runner, against the copy bandwidth.
 
     python -m kda_ops.bench [--ops verify,commit,commit_align,conv_update,verify_commit,step,
-                                   step_compiled]
+                                   step_compiled,verify_tree,commit_tree]
                             [--batches 1,8,32,...] [--spec-lens 2,4,8]
                             [--record-lens 12,16] [--acceptance 0.7,1]
                             [--layers 16] [--json out.json] [--plot out.png]
@@ -11,7 +11,11 @@ Ops: verify and conv_update (one layer), commit (all layers; commit_align: in
 align mode, every window crossing a block boundary), verify_commit (every
 layer's verify, then the commit), step (every layer's conv_update + verify, then
 the commit: `kda_ops.models.KDADecodeStep`), step_compiled (the same step
-through `torch.compile(fullgraph=True)`). The last three also run the deferred
+through `torch.compile(fullgraph=True)`), verify_tree and commit_tree (verify
+of tree windows, commit of an accepted path: docs/semantics.md#13-tree-drafts,
+each window a balanced binary tree of T nodes, accepting its deepest path, and
+a chain given as a tree, accepting all T). verify_commit, step and step_compiled
+also run the deferred
 schedule with records of each R in `--record-lens`, and with each draft token
 accepted with each probability in `--acceptance`; their bytes follow the
 schedule (schedule_bytes), so each row has its own floor. For each op and shape:
@@ -57,6 +61,9 @@ class Shape:
     # Each draft token accepted with this probability: a request commits its
     # first token and the run of accepted drafts after it (1: all T tokens).
     acceptance: float = 1.0
+    # Tree windows: "balanced" (node t's parent (t - 1) // 2) or "chain" (t - 1),
+    # passed as `parent`; None: a chain without tree arguments.
+    tree: Optional[str] = None
 
     @property
     def tokens(self):
@@ -103,6 +110,26 @@ def _token_inputs(shape, device, lead=()):
     return q, k, g, v, beta
 
 
+def tree_parents(shape):
+    """Window parents of one tree window of T nodes (`shape.tree`)."""
+    if shape.tree == "balanced":
+        return [-1] + [(t - 1) // 2 for t in range(1, shape.spec_len)]
+    return list(range(-1, shape.spec_len - 1))
+
+
+def tree_accepted_path(shape):
+    """The path a tree window accepts: the deepest one (the last node's)."""
+    parents = tree_parents(shape)
+    path = [shape.spec_len - 1]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def _packed_parents(shape, device):
+    return torch.tensor(tree_parents(shape) * shape.batch, device=device, dtype=torch.int32)
+
+
 def setup_verify(shape, device):
     H, K, V, T, B = shape.heads, shape.key_dim, shape.value_dim, shape.spec_len, shape.batch
     act = shape.act_dtype
@@ -114,10 +141,12 @@ def setup_verify(shape, device):
     key_gate = torch.empty(N, H, T, 2 * K, device=device, dtype=act)
     starts = _window_starts(shape, device)
     out = torch.empty_like(v)
+    tree = {} if shape.tree is None else dict(parent=_packed_parents(shape, device))
     calls = [lambda idx=idx: kda_ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction,
-                                            key_gate, starts, idx, lower_bound=-5.0, out=out)
+                                            key_gate, starts, idx, lower_bound=-5.0, out=out,
+                                            **tree)
              for idx in _index_sets(sets, B, device)]
-    return calls, verify_bytes(shape)
+    return calls, verify_bytes(shape) + (shape.tokens * 4 if shape.tree else 0)
 
 
 # Bytes each op must move: every input read once, every output written once.
@@ -291,14 +320,21 @@ def _one_request(shape):
 
 
 def setup_commit(shape, device):
+    """Every layer's commit of all T tokens; of tree windows (`shape.tree`) the
+    accepted path's (tree_accepted_path)."""
     B, T = shape.batch, shape.spec_len
-    sets, N = _block_pool(shape, commit_bytes(_one_request(shape), T))
+    path = tree_accepted_path(shape) if shape.tree else list(range(T))
+    sets, N = _block_pool(shape, commit_bytes(_one_request(shape), len(path)))
     bufs = _commit_buffers(shape, device, N)
-    accepted = torch.full((B,), T, device=device, dtype=torch.int32)
+    accepted = torch.full((B,), len(path), device=device, dtype=torch.int32)
+    if shape.tree:
+        bufs["accepted_path"] = torch.tensor(path + [0] * (T - len(path)), device=device,
+                                             dtype=torch.int32).expand(B, T).contiguous()
     starts = _window_starts(shape, device)
     calls = [lambda idx=idx: kda_ops.commit(accepted, idx, starts, lower_bound=-5.0, **bufs)
              for idx in _index_sets(sets, B, device)]
-    return calls, commit_bytes(shape, T)
+    # A path's entries are read once per request (int32).
+    return calls, commit_bytes(shape, len(path)) + (B * T * 4 if shape.tree else 0)
 
 
 def setup_commit_align(shape, device):
@@ -383,7 +419,8 @@ def setup_step(shape, device, compiled=False):
 
 SETUPS = {"verify": setup_verify, "commit": setup_commit, "commit_align": setup_commit_align,
           "conv_update": setup_conv_update, "verify_commit": setup_verify_commit,
-          "step": setup_step, "step_compiled": functools.partial(setup_step, compiled=True)}
+          "step": setup_step, "step_compiled": functools.partial(setup_step, compiled=True),
+          "verify_tree": setup_verify, "commit_tree": setup_commit}
 
 
 def graph_time_us(calls):
@@ -409,7 +446,9 @@ def copy_bandwidth(device, nbytes=2 << 30):
     return 2 * nbytes / (ms * 1e-3)
 
 
-ONE_LAYER_OPS = ("verify", "conv_update")  # the others run every layer
+ONE_LAYER_OPS = ("verify", "conv_update", "verify_tree")  # the others run every layer
+TREE_OPS = ("verify_tree", "commit_tree")
+TREE_SHAPES = ("chain", "balanced")
 
 # Ops that run a decode step's work (every layer, then the commit): the table
 # also gives their time over the bytes-over-bandwidth floor.
@@ -417,13 +456,15 @@ WHOLE_STEP_OPS = ("verify_commit", "step", "step_compiled")
 
 
 def _variants(op, T, record_lens, acceptances):
-    """(record_len, acceptance) of each row of `op` at window length T: the
-    whole-step ops under both schedules (R > T only) at every acceptance; the
-    others immediate, every token accepted."""
+    """The Shape fields of each row of `op` at window length T: the whole-step
+    ops under both schedules (R > T only) at every acceptance; the tree ops at
+    every tree shape; the others immediate, every token accepted."""
+    if op in TREE_OPS:
+        return [dict(tree=tree) for tree in TREE_SHAPES]
     if op not in WHOLE_STEP_OPS:
-        return [(None, 1.0)]
+        return [{}]
     lens = [None] + [R for R in record_lens if R > T]
-    return [(R, a) for a in acceptances for R in lens]
+    return [dict(record_len=R, acceptance=a) for a in acceptances for R in lens]
 
 
 def run(ops, batches, spec_lens, layers, device, record_lens=(), acceptances=(1.0,)):
@@ -431,13 +472,14 @@ def run(ops, batches, spec_lens, layers, device, record_lens=(), acceptances=(1.
     rows = []
     for op in ops:
         for T in spec_lens:
-            for R, a in _variants(op, T, record_lens, acceptances):
+            for variant in _variants(op, T, record_lens, acceptances):
                 for B in batches:
-                    shape = Shape(batch=B, spec_len=T, layers=layers, record_len=R, acceptance=a)
+                    shape = Shape(batch=B, spec_len=T, layers=layers, **variant)
                     calls, moved = SETUPS[op](shape, device)
                     us = graph_time_us(calls)
                     bw = moved / (us * 1e-6)
-                    rows.append(dict(op=op, batch=B, spec_len=T, record_len=R, acceptance=a,
+                    rows.append(dict(op=op, batch=B, spec_len=T, record_len=shape.record_len,
+                                     acceptance=shape.acceptance, tree=shape.tree,
                                      layers=1 if op in ONE_LAYER_OPS else layers,
                                      time_us=us, bytes=moved, bandwidth_gbs=bw / 1e9,
                                      fraction_of_copy=bw / copy_bw,
@@ -453,6 +495,8 @@ def run(ops, batches, spec_lens, layers, device, record_lens=(), acceptances=(1.
 def _label(row):
     """An op's name in the table: with its schedule and acceptance where they vary."""
     label = row["op"]
+    if row.get("tree") is not None:
+        label += ", chain as a tree" if row["tree"] == "chain" else f", {row['tree']} tree"
     if row.get("record_len") is not None:
         label += f", deferred R = {row['record_len']}"
     if row.get("acceptance", 1.0) < 1:
@@ -507,7 +551,7 @@ def markdown_table(runs):
     for label, T in dict.fromkeys((_label(row), row["spec_len"]) for row in rows):
         cells = [_cell(by_key[label, T, b]) if (label, T, b) in by_key else "" for b in batches]
         lines.append(f"| {label} | {T} | " + " | ".join(cells) + " |")
-    memory = _record_memory_lines(runs)
+    memory = _record_memory_lines(runs) + _tree_memory_lines(runs)
     return "\n".join(lines + ([""] + memory if memory else []))
 
 
@@ -526,6 +570,24 @@ def _record_memory_lines(runs):
             lines.append(f"- T = {T}, R = {R}: records {records / 1024:.0f} KiB per request and "
                          f"layer, {records / state:.2f}x one state ({state / 1024:.0f} KiB); "
                          f"T full states: {T}x")
+    return lines
+
+
+def _tree_memory_lines(runs):
+    """Per request and layer, for each T of a tree row: what a tree window of T
+    nodes keeps (its records, as a chain's) next to T full states, what an
+    engine without records keeps per node."""
+    lines = []
+    for run in runs:
+        shape = Shape(0, 0, **{name: value for name, value in run.get("shape", {}).items()
+                               if name in ("heads", "key_dim", "value_dim")})
+        for T in dict.fromkeys(row["spec_len"] for row in run["rows"]
+                               if row.get("tree") is not None):
+            records = T * record_bytes(shape)
+            states = T * _state_block_bytes(shape)
+            lines.append(f"- tree of T = {T} nodes: records {records / 1024:.0f} KiB per request "
+                         f"and layer (a chain's), against {states / 1024:.0f} KiB for T full "
+                         f"states ({states / records:.1f}x)")
     return lines
 
 
@@ -616,7 +678,7 @@ def main(argv=None):
           f"(torch {meta['torch']}, triton {meta['triton']})")
     shape = {name: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
              for name, value in dataclasses.asdict(Shape(0, 0)).items()
-             if name not in ("record_len", "acceptance")}  # per row
+             if name not in ("record_len", "acceptance", "tree")}  # per row
     saved = dict(meta=meta, rows=rows, shape=shape)
     with open(opts.json, "w") as f:
         json.dump(saved, f, indent=1)

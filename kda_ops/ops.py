@@ -63,9 +63,8 @@ def use_triton(t: Tensor) -> bool:
 
 def runs_triton(t: Tensor, dims) -> bool:
     """Float64 calls run the PyTorch path on every device: the kernels
-    compute in float32 (docs/semantics.md#12-float64); so do tree windows and
-    their commits (docs/semantics.md#13-tree-drafts)."""
-    return not dims.float64 and not dims.tree and use_triton(t)
+    compute in float32 (docs/semantics.md#12-float64)."""
+    return not dims.float64 and use_triton(t)
 
 
 def opaque_when_functionalized(op):
@@ -107,7 +106,7 @@ def verify(
     args = (q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate, query_start_loc,
             state_indices, lower_bound, scale, out, dims, pending, dims.window_len)
     if runs_triton(q, dims):
-        launch_verify(*args)
+        launch_verify(*args, parent=parent)
     else:
         torch_impl.verify(*args, parent=parent)
 
@@ -130,7 +129,8 @@ def commit(
     if runs_triton(state, dims):
         launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                       correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
-                      block_table, num_computed_tokens, block_size, dims, plan, pending, spec_len)
+                      block_table, num_computed_tokens, block_size, dims, plan, pending, spec_len,
+                      accepted_path)
     elif pending is not None:
         torch_impl.commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state,
                                    conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
@@ -187,7 +187,7 @@ def conv_update(
                              activation, out, parent)
     args = (x, conv_state, weight, bias, query_start_loc, state_indices, activation, out, dims)
     if runs_triton(x, dims):
-        launch_conv_update(*args)
+        launch_conv_update(*args, parent=parent)
     else:
         torch_impl.conv_update(*args, parent=parent)
 

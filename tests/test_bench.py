@@ -35,31 +35,40 @@ def expected_bytes(shape, op):
                     ((B, H, T, V), f32), ((B, H, T, 2 * K), act))          # records
     conv = nbytes(((n, D), act), ((n, D), act),                            # x, out
                   ((B, D, W - 1), act), ((B, D, W - 1 + T - 1), act))      # history, window
+    # A tree commits its accepted path: the deepest one of a balanced tree.
+    C = len(bench.tree_accepted_path(shape)) if shape.tree else T
     commit = L * nbytes(((B, H, V, K), st), ((B, H, V, K), st),            # state read, written
-                        ((B, H, T, V), f32), ((B, H, T, 2 * K), act),      # records of T tokens
+                        ((B, H, C, V), f32), ((B, H, C, 2 * K), act),      # records of C tokens
                         ((B, D, W - 1), act), ((B, D, W - 1), act))        # history read, written
     boundary = L * nbytes(((B, H, V, K), st), ((B, D, W - 1), act))       # align: boundary written
+    parents, path = nbytes(((n,), torch.int32)), nbytes(((B, T), torch.int32))
     return {"verify": verify, "conv_update": conv, "commit": commit,
             "commit_align": commit + boundary,
             "verify_commit": L * verify + commit, "step": L * (conv + verify) + commit,
-            "step_compiled": L * (conv + verify) + commit}[op]
+            "step_compiled": L * (conv + verify) + commit,
+            "verify_tree": verify + parents, "commit_tree": commit + path}[op]
 
 
-@pytest.mark.parametrize("op", sorted(bench.SETUPS))
-def test_setup_runs_and_counts_the_bytes_it_moves(op):
-    calls, moved = bench.SETUPS[op](SHAPE, "cpu")
+CASES = ([(op, None) for op in sorted(bench.SETUPS) if op not in bench.TREE_OPS]
+         + [(op, tree) for op in bench.TREE_OPS for tree in bench.TREE_SHAPES])
+
+
+@pytest.mark.parametrize("op, tree", CASES)
+def test_setup_runs_and_counts_the_bytes_it_moves(op, tree):
+    calls, moved = bench.SETUPS[op](dataclasses.replace(SHAPE, tree=tree), "cpu")
     assert len(calls) > 1, "the calls must rotate over index sets"
     calls[0]()
     calls[-1]()
-    assert moved == expected_bytes(SHAPE, op)
+    assert moved == expected_bytes(dataclasses.replace(SHAPE, tree=tree), op)
 
 
 @pytest.mark.parametrize("op", sorted(bench.SETUPS))
 def test_layers_recorded_for_an_op_are_the_layers_it_runs(op):
     """A saved row's `layers` is 1 exactly for the ops whose work does not
     grow with the layer count."""
+    tree = "balanced" if op in bench.TREE_OPS else None
     one, two = (bench.SETUPS[op](bench.Shape(batch=2, spec_len=2, layers=layers, heads=2,
-                                             key_dim=8, value_dim=8), "cpu")[1]
+                                             key_dim=8, value_dim=8, tree=tree), "cpu")[1]
                 for layers in (1, 2))
     assert (one == two) == (op in bench.ONE_LAYER_OPS)
 

@@ -1,7 +1,9 @@
-"""compute-sanitizer over the deferred schedule's CUDA tests: every verify
-form with pending records, the deferred commit in both its forms (a program
-per tile; the fold plan, whose persistent programs claim tiles from a
-counter), flush and align mode, in a process of their own."""
+"""compute-sanitizer over the deferred schedule's and the tree drafts' CUDA
+tests: every verify form with pending records, the deferred commit in both
+its forms (a program per tile; the fold plan, whose persistent programs claim
+tiles from a counter), flush and align mode; tree verify in every form that
+takes trees, conv_update of trees and the commit of accepted paths (align
+mode included), in a process of their own."""
 
 import os
 import shutil
@@ -15,15 +17,15 @@ from helpers import requires_cuda
 
 TESTS = Path(__file__).parent
 # The CUDA tests it runs: in test_verify.py those with pending records, in
-# test_deferred.py all of them (the 200-step runs included).
+# test_deferred.py and test_trees.py all of them (the 200-step runs included).
 SELECTION = [str(TESTS / "test_verify.py"), str(TESTS / "test_deferred.py"),
-             "-k", "cuda and (pending or deferred)"]
+             str(TESTS / "test_trees.py"), "-k", "cuda and (pending or deferred or trees)"]
 
 
 @requires_cuda
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None,
                     reason="compute-sanitizer (CUDA toolkit) is not on PATH")
-def test_deferred_kernels_under_memcheck():
+def test_deferred_and_tree_kernels_under_memcheck():
     """memcheck finds no access outside an allocation (every tensor its own
     allocation: PyTorch's caching allocator off), and the tests still pass
     under it."""

@@ -10,15 +10,12 @@ import torch
 
 import kda_ops
 from kda_ops import naive
+from kda_ops.kernels.dispatch import kernel_choices, verify_config
 
 from helpers import DEVICES, INTERPRET, assert_rel_close, query_start_loc
 
 H, K, V, W = 2, 8, 4, 3
 D = H * (2 * K + V)
-# Tree calls run the PyTorch path on every device: the CPU run covers them.
-pytorch_path_only = pytest.mark.skipif(
-    INTERPRET, reason="tree calls run the PyTorch path on every device: the CPU run covers it")
-pytestmark = pytorch_path_only
 
 
 def tree_parents(shape, nodes, rng):
@@ -55,7 +52,7 @@ def random_path(parents, rng):
 
 def problem(device, seed, T=16, lens=(16, 7, 1, 12, 0, 16, 5), indices=(1, 2, 3, 0, 4, 5, 9),
             shapes=("random", "binary", "chain", "star", "chain", "deep", "random"), N=8,
-            layers=2):
+            layers=2, K=K, V=V):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
@@ -109,6 +106,43 @@ def test_tree_verify_matches_the_oracle(device, lower_bound):
     assert_rel_close(out.cpu()[written], expected_out[written], name="out")
     assert_rel_close(a["correction"][0].cpu(), expected_corr, name="correction")
     assert torch.equal(a["key_gate"][0].cpu(), expected_kg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form, link, T", [
+    ("closed_form", None, 16), ("closed_form", None, 3), ("tensor_cores", None, 16),
+    ("tensor_cores", None, 6), ("separate_terms", False, 16), ("separate_terms", True, 16),
+    ("separate_terms", True, 8)])
+def test_tree_verify_in_every_kernel_form(device, form, link, T):
+    """Every form the kernels take trees in (all but the token loop), at 16
+    nodes and fewer: K = 16 for the tensor cores, V = 40 a partial value
+    tile; windows longer than T get zero outputs past T."""
+    lens = (T, T // 2, 1, T + 2, 0, T, 3)
+    a, _ = problem(device, seed=11 + T, T=T, lens=lens, K=16, V=40)
+    with kernel_choices(verify_form=form, link_on_tensor_cores=link):
+        if device != "cpu" or INTERPRET:
+            assert verify_config(16, 40, len(lens) * H, T, tree=True).form == form
+        out = verify_layer(a, 0, lower_bound=-5.0)
+    expected_out, expected_corr, _ = naive.verify(
+        *cpu(a, *VERIFY), a["A_log"][0].cpu(), a["dt_bias"][0].cpu(), a["state"][0].cpu(),
+        a["correction"][0].cpu(), a["key_gate"][0].cpu(), a["query_start_loc"].cpu(),
+        a["state_indices"].cpu(), lower_bound=-5.0, parent=a["parent"].cpu())
+    written = ~torch.isnan(expected_out)
+    assert_rel_close(out.cpu()[written], expected_out[written], name="out")
+    assert_rel_close(a["correction"][0].cpu(), expected_corr, name="correction")
+
+
+def test_trees_take_the_closed_forms_only():
+    """No token loop for trees (it carries one chain's state): the closed form
+    where a chain would loop, the tensor cores up to 16 nodes; forcing the
+    loop on a tree is refused."""
+    assert verify_config(128, 128, 32, 16).form == "token_loop"
+    assert verify_config(128, 128, 32, 16, tree=True).form == "closed_form"
+    assert verify_config(128, 128, 32 * 64, 16, tree=True).form == "separate_terms"
+    assert verify_config(128, 128, 32 * 8, 8, tree=True).form == "tensor_cores"
+    assert verify_config(128, 128, 32 * 64, 24, tree=True).form == "closed_form"
+    with kernel_choices(verify_form="token_loop"), pytest.raises(ValueError, match="chains only"):
+        verify_config(128, 128, 32, 8, tree=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -177,9 +211,9 @@ def test_commit_of_a_path_in_align_mode(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_long_run_of_random_trees_against_sequential_decoding(device):
-    """200 steps; each drafts a random tree per request (1 to 16 nodes, mixed
-    with chains) and accepts a random root path. States after every step
-    against sequential float64 decoding of the accepted tokens."""
+    """200 steps (30 interpreted); each drafts a random tree per request (1 to
+    16 nodes, mixed with chains) and accepts a random root path. States after
+    every step against sequential float64 decoding of the accepted tokens."""
     rng = random.Random(6)
     gen = torch.Generator().manual_seed(6)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
@@ -191,7 +225,7 @@ def test_long_run_of_random_trees_against_sequential_decoding(device):
     blocks = torch.tensor([1, 2, 3], dtype=torch.int32)
     moved = [t.to(device) for t in (state, correction, key_gate, A_log, dt_bias, blocks)]
     state_d, correction_d, key_gate_d, A_log_d, dt_bias_d, blocks_d = moved
-    for step in range(200):
+    for step in range(30 if INTERPRET else 200):
         lens = [rng.randint(1, T) for _ in range(B)]
         shapes = [rng.choice(SHAPES) for _ in range(B)]
         parents = tree_batch(rng, T, lens, shapes)

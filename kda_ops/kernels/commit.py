@@ -17,8 +17,8 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from .common import (NULL_BLOCK, block_is_valid, commit_plan_row, deferred_plan_row,
-                     int32_or_null, kda_gate, l2_normalize, live_range, pending_count,
-                     wait_for_previous_kernel)
+                     int32_or_null, kda_gate, l2_normalize, live_range, path_position,
+                     pending_count, wait_for_previous_kernel)
 from .dispatch import (commit_config, conv_config, dependent_launch, fold_programs,
                        launch_options, listed_folds)
 
@@ -32,15 +32,18 @@ PLAN_ROW = tl.constexpr(8)
 
 @triton.jit
 def _fold_records(state, start, stop, kg_row, corr_row, stride_kg_tok, stride_kg_dim,
-                  stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, K: tl.constexpr,
-                  USE_LOWER_BOUND: tl.constexpr, RECORD_STAGES: tl.constexpr):
-    """The state tile after the recorded tokens `start..stop-1`."""
+                  stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, path_row,
+                  stride_path_col, last_node, K: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                  RECORD_STAGES: tl.constexpr, TREE: tl.constexpr):
+    """The state tile after the recorded tokens `start..stop-1` (in a tree,
+    those of the accepted path's entries `start..stop-1`)."""
     # Triton's pipeliner requests the next tokens' records (through shared
     # memory) while a token is folded: these loads bounded the fold. On an
     # H200 pipelining took T = 8 from 72% to 93% of copy (stages: see
     # commit_config); register prefetch one or two tokens ahead, or the
     # loop unrolled, were slower at T = 8.
-    for t in tl.range(start, stop, num_stages=RECORD_STAGES):
+    for i in tl.range(start, stop, num_stages=RECORD_STAGES):
+        t = path_position(path_row, stride_path_col, i, last_node, TREE)
         raw_k = tl.load(kg_row + t * stride_kg_tok, mask=mask_k, other=0.0).to(tl.float32)
         raw_g = tl.load(kg_row + t * stride_kg_tok + K * stride_kg_dim, mask=mask_k,
                         other=0.0).to(tl.float32)
@@ -188,12 +191,15 @@ def _fold_tile(
     stride_c_layer, stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
     stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
     stride_A_layer, stride_A_head, stride_dt_layer, stride_dt_head, stride_dt_dim,
+    path_row, stride_path_col, last_node,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, ALIGN: tl.constexpr, RECORD_STAGES: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     """Folds `count` records of one state tile into the checkpoint `source`,
     storing the boundary state after `recovery` of them (align mode) and the
-    final one, where those blocks are valid."""
+    final one, where those blocks are valid; in a tree, the records of the
+    accepted path at `path_row` (path_position)."""
     final_ok = block_is_valid(final, num_blocks)
     boundary_ok = block_is_valid(boundary, num_blocks)
     offs_k = tl.arange(0, BK)
@@ -222,12 +228,13 @@ def _fold_tile(
         folded = tl.where(boundary_ok, tl.minimum(recovery, count), 0)
         state = _fold_records(state, 0, folded, kg_row, corr_row, stride_kg_tok,
                               stride_kg_dim, stride_c_tok, mask_k, mask_v, dt_bias, A,
-                              lower_bound, K, USE_LOWER_BOUND, RECORD_STAGES)
+                              lower_bound, path_row, stride_path_col, last_node, K,
+                              USE_LOWER_BOUND, RECORD_STAGES, TREE)
         if boundary_ok:
             tl.store(head_base + boundary * stride_s_blk + tile, state, mask=mask_tile)
     state = _fold_records(state, folded, count, kg_row, corr_row, stride_kg_tok, stride_kg_dim,
-                          stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, K,
-                          USE_LOWER_BOUND, RECORD_STAGES)
+                          stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, path_row,
+                          stride_path_col, last_node, K, USE_LOWER_BOUND, RECORD_STAGES, TREE)
     if final_ok:
         tl.store(head_base + final * stride_s_blk + tile, state, mask=mask_tile)
 
@@ -236,10 +243,11 @@ def _fold_tile(
 def _commit_state_kernel(
     state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr,
     accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
-    block_table_ptr, computed_ptr, pending_ptr,
+    block_table_ptr, computed_ptr, pending_ptr, path_ptr,
     num_blocks, num_rows, bt_cols, block_size, lower_bound,
     stride_accepted, stride_request, stride_state_indices, stride_query_start,
     stride_bt_row, stride_bt_col, stride_computed, stride_p_layer, stride_p_blk,
+    stride_path_row, stride_path_col,
     stride_s_layer, stride_s_blk, stride_s_head, stride_s_v, stride_s_k,
     stride_c_layer, stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
     stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
@@ -249,14 +257,15 @@ def _commit_state_kernel(
     NUM_HEADS: tl.constexpr, SPEC_LEN: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr, RECORD_STAGES: tl.constexpr,
     RECORDS: tl.constexpr, DEFERRED: tl.constexpr, FLUSH: tl.constexpr,
-    PDL: tl.constexpr, LISTED: tl.constexpr, V_TILES: tl.constexpr,
+    PDL: tl.constexpr, LISTED: tl.constexpr, V_TILES: tl.constexpr, TREE: tl.constexpr,
 ):
     """Folds `commit` records into the checkpoint (the boundary state after
     `recovery` of them, in align mode): immediately the accepted ones; deferred
     all pending ones where the plan folds now (SPEC_LEN is then T and RECORDS
     R); on a flush every pending one. A program per tile, or with LISTED a
     persistent grid whose programs claim the tiles of the rows
-    `_fold_plan_kernel` wrote one at a time."""
+    `_fold_plan_kernel` wrote one at a time. With TREE (immediate only) the
+    records are those of each row's accepted path in `path_ptr`."""
     wait_for_previous_kernel(PDL)
     lower_bound = tl.cast(lower_bound, tl.float32)  # fp64 when launched by Inductor
     if LISTED:
@@ -281,8 +290,8 @@ def _commit_state_kernel(
                        stride_c_layer, stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
                        stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok,
                        stride_kg_dim, stride_A_layer, stride_A_head, stride_dt_layer,
-                       stride_dt_head, stride_dt_dim, K, V, BK, BV, USE_LOWER_BOUND, ALIGN,
-                       RECORD_STAGES)
+                       stride_dt_head, stride_dt_dim, path_ptr, 0, 0, K, V, BK, BV,
+                       USE_LOWER_BOUND, ALIGN, RECORD_STAGES, False)
             item = following
             layer, commit, source, final, boundary, recovery = next_entries
     else:
@@ -301,6 +310,8 @@ def _commit_state_kernel(
         source, final, boundary = _plan_blocks(
             b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
             boundary_col, commit, stride_bt_row, stride_bt_col, ALIGN)
+        path_row = path_ptr + row * stride_path_row
+        last_node = _last_node(b, query_start_ptr, stride_query_start, SPEC_LEN)
         if _folds(commit, boundary_col, final, source, boundary, num_blocks, SPEC_LEN, RECORDS,
                   DEFERRED):
             _fold_tile(state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr, layer, h,
@@ -309,27 +320,37 @@ def _commit_state_kernel(
                        stride_c_layer, stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
                        stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok,
                        stride_kg_dim, stride_A_layer, stride_A_head, stride_dt_layer,
-                       stride_dt_head, stride_dt_dim, K, V, BK, BV, USE_LOWER_BOUND, ALIGN,
-                       RECORD_STAGES)
+                       stride_dt_head, stride_dt_dim, path_row, stride_path_col, last_node,
+                       K, V, BK, BV, USE_LOWER_BOUND, ALIGN, RECORD_STAGES, TREE)
+
+
+@triton.jit
+def _last_node(b, query_start_ptr, stride_query_start, SPEC_LEN: tl.constexpr):
+    """The last node of request `b`'s window that an accepted path may name."""
+    window = (tl.load(query_start_ptr + (b + 1) * stride_query_start)
+              - tl.load(query_start_ptr + b * stride_query_start)).to(tl.int64)
+    return tl.minimum(tl.maximum(window, 1), SPEC_LEN) - 1
 
 
 @triton.jit
 def _commit_conv_kernel(
     conv_ptr,
     accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
-    block_table_ptr, computed_ptr, pending_ptr,
+    block_table_ptr, computed_ptr, pending_ptr, path_ptr,
     num_blocks, num_rows, bt_cols, block_size, conv_dim,
     stride_accepted, stride_request, stride_state_indices, stride_query_start,
     stride_bt_row, stride_bt_col, stride_computed, stride_p_layer, stride_p_blk,
+    stride_path_row, stride_path_col,
     stride_layer, stride_blk, stride_dim, stride_col,
     HISTORY: tl.constexpr, BD: tl.constexpr,
     SPEC_LEN: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr,
-    RECORDS: tl.constexpr, DEFERRED: tl.constexpr,
+    RECORDS: tl.constexpr, DEFERRED: tl.constexpr, TREE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Moves each request's history by its accepted tokens into the final block
     (and the boundary block's history). Deferred, every commit moves it: into
-    the final block when the fold is written now, else within the source."""
+    the final block when the fold is written now, else within the source. In a
+    tree the history runs along the accepted path (_path_column)."""
     wait_for_previous_kernel(PDL)
     pid_d = tl.program_id(0)
     b = tl.program_id(1)
@@ -370,13 +391,19 @@ def _commit_conv_kernel(
         cols = conv_ptr + layer * stride_layer + offs_d * stride_dim
         src = cols + source * stride_blk
         # History after n tokens: columns n-1 .. n-1+HISTORY-1 of the window buffer.
+        path_row = path_ptr + row * stride_path_row
+        last_node = _last_node(b, query_start_ptr, stride_query_start, SPEC_LEN)
         final_hist = ()
         boundary_hist = ()
         for c in tl.static_range(HISTORY):
-            final_hist = final_hist + (tl.load(src + (commit - 1 + c) * stride_col, mask=mask_d),)
+            column = _path_column(commit - 1 + c, path_row, stride_path_col, last_node, HISTORY,
+                                  TREE)
+            final_hist = final_hist + (tl.load(src + column * stride_col, mask=mask_d),)
             if ALIGN:
+                column = _path_column(recovery - 1 + c, path_row, stride_path_col, last_node,
+                                      HISTORY, TREE)
                 boundary_hist = boundary_hist + (
-                    tl.load(src + (recovery - 1 + c) * stride_col, mask=boundary_mask),)
+                    tl.load(src + column * stride_col, mask=boundary_mask),)
         # Columns shift left in place: all loads land before any store.
         tl.debug_barrier()
         for c in tl.static_range(HISTORY):
@@ -384,6 +411,19 @@ def _commit_conv_kernel(
                 tl.store(cols + boundary * stride_blk + c * stride_col, boundary_hist[c],
                          mask=boundary_mask)
             tl.store(cols + final * stride_blk + c * stride_col, final_hist[c], mask=final_mask)
+
+
+@triton.jit
+def _path_column(i, path_row, stride_path_col, last_node, HISTORY: tl.constexpr,
+                 TREE: tl.constexpr):
+    """The window buffer's column of entry i of the sequence [kept history
+    (HISTORY - 1 columns), accepted tokens]: i itself in a chain; in a tree,
+    the column of the path's node for entries past the history."""
+    if TREE:
+        node = path_position(path_row, stride_path_col, tl.maximum(i - (HISTORY - 1), 0),
+                             last_node, TREE)
+        return tl.where(i < HISTORY - 1, i, HISTORY - 1 + node)
+    return i
 
 
 @triton.jit
@@ -468,17 +508,17 @@ def plan_launch_args(num_accepted_tokens, request_indices, state_indices, query_
 
 def commit_state_launch(key_dim, value_dim, num_heads, spec_len, use_lower_bound,
                         has_request_indices, align, pdl, records=None, deferred=False,
-                        flush=False, listed=False):
+                        flush=False, listed=False, tree=False):
     """The state fold's (kernel, constexprs, num_warps); tools/kernel_resources.py
     compiles exactly this. `spec_len` is T, `records` the records' positions
-    (default T)."""
+    (default T); `tree` folds accepted paths."""
     block_v, warps, record_stages = commit_config(value_dim)
     return _commit_state_kernel, dict(
         K=key_dim, V=value_dim, BK=triton.next_power_of_2(key_dim), BV=block_v,
         NUM_HEADS=num_heads, SPEC_LEN=spec_len, USE_LOWER_BOUND=use_lower_bound,
         HAS_REQUEST_INDICES=has_request_indices, ALIGN=align, RECORD_STAGES=record_stages,
         RECORDS=spec_len if records is None else records, DEFERRED=deferred, FLUSH=flush,
-        PDL=pdl, LISTED=listed, V_TILES=triton.cdiv(value_dim, block_v)), warps
+        PDL=pdl, LISTED=listed, V_TILES=triton.cdiv(value_dim, block_v), TREE=tree), warps
 
 
 def fold_plan_launch(spec_len, records, has_request_indices, align, pdl):
@@ -498,9 +538,10 @@ def _pending_strides(pending, stacked):
 def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                   correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
                   block_table, num_computed_tokens, block_size, dims, plan, pending=None,
-                  spec_len=None):
+                  spec_len=None, accepted_path=None):
     """With `pending`, the deferred commit for windows of up to `spec_len` = T
-    tokens (the records hold dims.spec_len = R positions)."""
+    tokens (the records hold dims.spec_len = R positions); with
+    `accepted_path`, the commit of tree windows' accepted paths."""
     if plan.batch == 0:
         return
     pointers, scalars, strides = plan_launch_args(
@@ -511,6 +552,10 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
     spec_len = records if spec_len is None else spec_len
     counts = pending if deferred else state_indices  # unread in the immediate schedule
     pending_strides = _pending_strides(pending, dims.stacked)
+    tree = accepted_path is not None
+    # A path tensor with no row is never read (nothing is folded); strides of 0 then.
+    path = accepted_path if tree else state_indices  # unread for chains
+    path_strides = tuple(accepted_path.stride()) if tree else (0, 0)
     flags = dict(SPEC_LEN=spec_len, HAS_REQUEST_INDICES=request_indices is not None,
                  ALIGN=plan.align, RECORDS=records)
     K, V = dims.key_dim, dims.value_dim
@@ -518,7 +563,8 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
     listed = deferred and listed_folds(plan.batch)
     kernel, constexprs, warps = commit_state_launch(
         K, V, dims.num_heads, spec_len, lower_bound is not None,
-        request_indices is not None, plan.align, launch["PDL"], records, deferred, listed=listed)
+        request_indices is not None, plan.align, launch["PDL"], records, deferred, listed=listed,
+        tree=tree)
     num_pairs = dims.num_layers * plan.batch
     if listed:
         fold_plan = torch.empty((num_pairs + 1) * PLAN_ROW.value, dtype=torch.int32,
@@ -534,8 +580,9 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         fold_plan = state_indices  # unread
         grid = (constexprs["V_TILES"], plan.batch, dims.num_layers * dims.num_heads)
     wrap_triton(kernel)[grid](
-        state, correction, key_gate, A_log, dt_bias, *pointers, counts,
+        state, correction, key_gate, A_log, dt_bias, *pointers, counts, path,
         dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides, *pending_strides,
+        *path_strides,
         *layer_strides(state, dims.stacked), *layer_strides(correction, dims.stacked),
         *layer_strides(key_gate, dims.stacked),
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),
@@ -546,9 +593,10 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         BD, warps = conv_config(dims.conv_dim)
         grid = (triton.cdiv(dims.conv_dim, BD), plan.batch, dims.num_layers)
         wrap_triton(_commit_conv_kernel)[grid](
-            conv_state, *pointers, counts, dims.num_blocks, *scalars, dims.conv_dim, *strides,
-            *pending_strides, *layer_strides(conv_state, dims.stacked),
-            HISTORY=dims.conv_history, BD=BD, DEFERRED=deferred, **flags, num_warps=warps,
+            conv_state, *pointers, counts, path, dims.num_blocks, *scalars, dims.conv_dim,
+            *strides, *pending_strides, *path_strides, *layer_strides(conv_state, dims.stacked),
+            HISTORY=dims.conv_history, BD=BD, DEFERRED=deferred, TREE=tree, **flags,
+            num_warps=warps,
             **launch,
         )
     if deferred:
@@ -575,8 +623,8 @@ def launch_flush(state_indices, state, correction, key_gate, pending, A_log, dt_
     pending_strides = _pending_strides(pending, dims.stacked)
     grid = (triton.cdiv(V, constexprs["BV"]), batch, dims.num_layers * dims.num_heads)
     wrap_triton(kernel)[grid](
-        state, correction, key_gate, A_log, dt_bias, *pointers, pending,
-        dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides, *pending_strides,
+        state, correction, key_gate, A_log, dt_bias, *pointers, pending, state_indices,
+        dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides, *pending_strides, 0, 0,
         *layer_strides(state, dims.stacked), *layer_strides(correction, dims.stacked),
         *layer_strides(key_gate, dims.stacked),
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),

@@ -151,6 +151,67 @@ def window_after_records(count, window, valid, SPEC_LEN: tl.constexpr, RECORDS: 
 
 
 @triton.jit
+def tree_parents(parent_ptr, stride_parent, bos, nodes, processed):
+    """The window parents of `nodes` (window-relative, a vector): -1 for a
+    root, a node past `processed`, and a parent outside 0..node-1, which
+    makes the node start from the checkpoint (docs/semantics.md#13-tree-drafts)."""
+    live = (nodes >= 0) & (nodes < processed)
+    parents = tl.load(parent_ptr + (bos + tl.where(live, nodes, 0)) * stride_parent, mask=live,
+                      other=-1).to(tl.int64)
+    return tl.where((parents >= 0) & (parents < nodes), parents, -1)
+
+
+@triton.jit
+def path_position(path_row, stride_path_col, i, last_node, TREE: tl.constexpr):
+    """The record position of a commit's i-th folded token: i in a chain; in a
+    tree entry i of the accepted path at `path_row`, clamped into the window's
+    nodes 0..last_node (docs/semantics.md#13-tree-drafts)."""
+    if TREE:
+        entry = tl.load(path_row + i * stride_path_col).to(tl.int64)
+        return tl.minimum(tl.maximum(entry, 0), last_node)
+    return i
+
+
+@triton.jit
+def tree_window_terms(keys, queries, decays, scratch, row_stride, decay_offset, parent_ptr,
+                      stride_parent, bos, processed, steps, offs_k, mask_k,
+                      SPEC_LEN: tl.constexpr):
+    """A tree window's closed-form terms: (E_t k_t, E_t q_t, A, B) as the
+    chain's (A[t, s] at [s, t], B likewise, see verify._closed_form_tile), with
+    E_t the decay product along node t's path and the couplings nonzero only
+    for s on that path. Each node walks up its ancestors at once: the carried
+    key k_t D_t ... meets ancestor a, gives A[t, a] = k_a . carried and
+    takes a's decay, so that after the root it is E_t k_t; no per-node state
+    and no division by decay products (they may underflow). The ancestors'
+    keys and decays are gathered from rows the caller has written: node n's
+    at `scratch + n * row_stride` (+ `decay_offset` for the decay)."""
+    BT: tl.constexpr = keys.shape[0]
+    carried_keys = keys * decays
+    carried_queries = queries * decays
+    key_coupling = tl.zeros([BT, BT], dtype=tl.float32)
+    own = tl.sum(keys * queries, axis=1)
+    query_coupling = tl.where(steps[:, None] == steps[None, :], own[None, :], 0.0)
+    ancestor = tree_parents(parent_ptr, stride_parent, bos, steps, processed)
+    for _ in tl.static_range(SPEC_LEN - 1):  # the deepest node has SPEC_LEN - 1 ancestors
+        on_path = ancestor >= 0
+        rows = scratch + tl.where(on_path, ancestor, 0)[:, None] * row_stride + offs_k[None, :]
+        gathered = on_path[:, None] & mask_k[None, :]
+        ancestor_key = tl.load(rows, mask=gathered, other=0.0)
+        ancestor_decay = tl.load(rows + decay_offset, mask=gathered, other=1.0)
+        at_ancestor = (steps[:, None] == ancestor[None, :]) & on_path[None, :]
+        key_coupling = tl.where(at_ancestor,
+                                tl.sum(ancestor_key * carried_keys, axis=1)[None, :],
+                                key_coupling)
+        query_coupling = tl.where(at_ancestor,
+                                  tl.sum(ancestor_key * carried_queries, axis=1)[None, :],
+                                  query_coupling)
+        carried_keys *= ancestor_decay
+        carried_queries *= ancestor_decay
+        ancestor = tree_parents(parent_ptr, stride_parent, bos, ancestor, processed)
+    return carried_keys, carried_queries, key_coupling, query_coupling
+
+
+@triton.jit
 def pending_records(kg_head, stride_kg_tok, stride_kg_dim, pending, dt_bias, A, lower_bound,
                     offs_k, mask_k, K: tl.constexpr, BR: tl.constexpr,
                     USE_LOWER_BOUND: tl.constexpr):

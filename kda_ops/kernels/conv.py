@@ -15,21 +15,21 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .common import block_is_valid, live_range, wait_for_previous_kernel
+from .common import block_is_valid, live_range, tree_parents, wait_for_previous_kernel
 from .dispatch import conv_config, dependent_launch, launch_options
 
 
 @triton.jit
 def _conv_update_kernel(
     x_ptr, conv_ptr, weight_ptr, bias_ptr, out_ptr, query_start_ptr, state_indices_ptr,
-    num_blocks, dim,
+    parent_ptr, num_blocks, dim,
     stride_x_tok, stride_x_dim,
     stride_conv_blk, stride_conv_dim, stride_conv_col,
     stride_w_dim, stride_w_tap, stride_bias,
     stride_out_tok, stride_out_dim,
-    stride_query_start, stride_state_indices,
+    stride_query_start, stride_state_indices, stride_parent,
     WIDTH: tl.constexpr, SPEC_LEN: tl.constexpr, BD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, TREE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -66,11 +66,27 @@ def _conv_update_kernel(
             bias = tl.load(bias_ptr + offs_d * stride_bias, mask=mask_d, other=0.0).to(tl.float32)
         else:
             bias = tl.zeros([BD], dtype=tl.float32)
-        # y_t = bias + sum_j w_j * seq[t + j]
+        # y_t = bias + sum_j w_j * seq[t + j]; in a tree, tap j reads node t's
+        # (W-1-j)-th ancestor, or past the root the history (column `col`).
         for t in tl.static_range(SPEC_LEN):
             y = bias
-            for j in tl.static_range(WIDTH):
-                y += taps[j] * seq[t + j].to(tl.float32)
+            if TREE:
+                node = tl.full([], t, tl.int64)
+                col = tl.full([], HISTORY + t, tl.int64)
+                for back in tl.static_range(WIDTH):
+                    on_path = (node >= 0) & (t < processed)
+                    from_window = tl.load(x_cols + tl.maximum(node, 0) * stride_x_tok,
+                                          mask=live_range(offs_d, dim, on_path), other=0.0)
+                    from_history = tl.load(state_cols + tl.minimum(col, HISTORY - 1) *
+                                           stride_conv_col,
+                                           mask=live_range(offs_d, dim, node < 0), other=0.0)
+                    y += taps[WIDTH - 1 - back] * tl.where(node >= 0, from_window.to(tl.float32),
+                                                           from_history.to(tl.float32))
+                    node = tree_parents(parent_ptr, stride_parent, bos, node, processed)
+                    col = tl.where(node >= 0, HISTORY + node, col - 1)
+            else:
+                for j in tl.static_range(WIDTH):
+                    y += taps[j] * seq[t + j].to(tl.float32)
             if SILU:
                 y = y * tl.sigmoid(y)
             tl.store(out_cols + t * stride_out_tok, y.to(out_ptr.dtype.element_ty),
@@ -90,30 +106,31 @@ def _conv_update_kernel(
         tl.store(out_cols + t * stride_out_tok, zeros, mask=mask_d)
 
 
-def conv_update_launch(dim, width, spec_len, has_bias, silu, pdl):
-    """conv_update's (kernel, constexprs, num_warps); tools/kernel_resources.py
-    compiles exactly this."""
+def conv_update_launch(dim, width, spec_len, has_bias, silu, pdl, tree=False):
+    """conv_update's (kernel, constexprs, num_warps), of tree windows with
+    `tree`; tools/kernel_resources.py compiles exactly this."""
     block_d, warps = conv_config(dim)
     return _conv_update_kernel, dict(WIDTH=width, SPEC_LEN=spec_len, BD=block_d,
-                                     HAS_BIAS=has_bias, SILU=silu, PDL=pdl), warps
+                                     HAS_BIAS=has_bias, SILU=silu, TREE=tree, PDL=pdl), warps
 
 
 def launch_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
-                       activation, out, dims):
+                       activation, out, dims, parent=None):
     if dims.batch == 0:
         return
     launch = dependent_launch(x, dims.batch)
     kernel, constexprs, warps = conv_update_launch(dims.dim, dims.width, dims.spec_len,
                                                    bias is not None, activation == "silu",
-                                                   launch["PDL"])
+                                                   launch["PDL"], parent is not None)
+    parents = parent if parent is not None else state_indices  # unread for chains
     # Batch on the first grid axis: it has no 65535 limit.
     grid = (dims.batch, triton.cdiv(dims.dim, constexprs["BD"]))
     wrap_triton(kernel)[grid](
         x, conv_state, weight, bias if bias is not None else weight, out,
-        query_start_loc, state_indices,
+        query_start_loc, state_indices, parents,
         dims.num_blocks, dims.dim,
         *x.stride(), *conv_state.stride(), *weight.stride(),
         bias.stride(0) if bias is not None else 0,
-        *out.stride(), query_start_loc.stride(0), state_indices.stride(0),
+        *out.stride(), query_start_loc.stride(0), state_indices.stride(0), parents.stride(0),
         **constexprs, num_warps=warps, **launch_options(launch),
     )

@@ -32,8 +32,10 @@ UNROLL_ONE_TILE_UP_TO = 8
 TWO_TILES_FROM_PAIRS = 256
 # The tensor-core forms need at least 16 keys (the tensor cores' smallest K) ...
 TENSOR_CORES_MIN_KEYS = 16
-# ... and windows of at most 8 tokens (the longest measured).
+# ... and windows of at most 8 tokens (the longest measured) ...
 TENSOR_CORES_UP_TO = 8
+# ... or trees of at most 16 nodes: trees have no token loop to fall back on.
+TREE_TENSOR_CORES_UP_TO = 16
 # One-kernel tensor cores for T = 5..8 from this many pairs (27-29% faster than the loop at T = 8).
 TENSOR_CORES_FROM_PAIRS = 256
 # Its tile: 128 rows with 8 warps (7-19% faster than 64 rows with 4), 3 stages (4-8% over 2).
@@ -145,11 +147,17 @@ class VerifyConfig(NamedTuple):
         return self.form == "separate_terms"
 
 
-def verify_form(key_dim, request_heads, spec_len, deferred=False) -> str:
+def tensor_cores_fit(key_dim, spec_len, tree=False) -> bool:
+    return key_dim >= TENSOR_CORES_MIN_KEYS and spec_len <= (
+        TREE_TENSOR_CORES_UP_TO if tree else TENSOR_CORES_UP_TO)
+
+
+def verify_form(key_dim, request_heads, spec_len, deferred=False, tree=False) -> str:
     """The measured-best form for `request_heads` = batch × heads pairs, in the
     deferred schedule or not. A symbolic batch takes a pairs threshold only
-    where its range proves it."""
-    tensor_cores_fit = key_dim >= TENSOR_CORES_MIN_KEYS and spec_len <= TENSOR_CORES_UP_TO
+    where its range proves it. Tree windows take the closed forms only: the
+    token loop carries one state along one chain."""
+    fit = tensor_cores_fit(key_dim, spec_len, tree)
     long_window = spec_len > CLOSED_FORM_UP_TO
     if deferred:
         separate_from = (DEFERRED_LONG_SEPARATE_TERMS_FROM_PAIRS if long_window
@@ -159,23 +167,28 @@ def verify_form(key_dim, request_heads, spec_len, deferred=False) -> str:
     else:
         separate_from, one_kernel_from = SEPARATE_TERMS_FROM_PAIRS, TENSOR_CORES_FROM_PAIRS
         separate_from_len = SEPARATE_TERMS_FROM_LEN
-    if (tensor_cores_fit and spec_len >= separate_from_len
+    if (fit and spec_len >= separate_from_len
             and statically_known_true(request_heads >= separate_from)):
         return "separate_terms"
-    if (tensor_cores_fit and long_window
-            and statically_known_true(request_heads >= one_kernel_from)):
+    if fit and long_window and statically_known_true(request_heads >= one_kernel_from):
         return "tensor_cores"
-    return "closed_form" if spec_len <= CLOSED_FORM_UP_TO else "token_loop"
+    return "closed_form" if spec_len <= CLOSED_FORM_UP_TO or tree else "token_loop"
 
 
-def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False) -> VerifyConfig:
-    """The VerifyConfig of a launch over `request_heads` = batch × heads pairs."""
+def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False,
+                  tree=False) -> VerifyConfig:
+    """The VerifyConfig of a launch over `request_heads` = batch × heads pairs,
+    of tree windows with `tree`."""
     choices = _choices.get()
-    form = choices.verify_form or verify_form(key_dim, request_heads, spec_len, deferred)
-    if form in ("tensor_cores", "separate_terms") and not (
-            key_dim >= TENSOR_CORES_MIN_KEYS and spec_len <= TENSOR_CORES_UP_TO):
+    form = choices.verify_form or verify_form(key_dim, request_heads, spec_len, deferred, tree)
+    if form in ("tensor_cores", "separate_terms") and not tensor_cores_fit(key_dim, spec_len,
+                                                                            tree):
+        longest = TREE_TENSOR_CORES_UP_TO if tree else TENSOR_CORES_UP_TO
         raise ValueError(f"verify form {form!r} needs K >= {TENSOR_CORES_MIN_KEYS} and "
-                         f"T <= {TENSOR_CORES_UP_TO}, got K = {key_dim}, T = {spec_len}")
+                         f"T <= {longest}, got K = {key_dim}, T = {spec_len}")
+    if form == "token_loop" and tree:
+        raise ValueError("verify form 'token_loop' runs chains only: tree windows (`parent`) "
+                         "take 'closed_form', 'tensor_cores' or 'separate_terms'")
     key_chunk = min(triton.next_power_of_2(key_dim), 32)
     link = (spec_len >= LINK_ON_TENSOR_CORES_FROM_LEN if choices.link_on_tensor_cores is None
             else choices.link_on_tensor_cores)

@@ -40,7 +40,8 @@ from torch.library import wrap_triton
 
 from .common import (block_is_valid, line_starts, link_tokens, live_range, load_window,
                      pending_records, pending_terms, prefetch_block, prefetch_block_rows,
-                     wait_for_previous_kernel, window_after_records, window_vectors)
+                     tree_window_terms, wait_for_previous_kernel, window_after_records,
+                     window_vectors)
 from .dispatch import WINDOW_TERMS_WARPS, dependent_launch, launch_options, verify_config
 from .verify_tensor_cores import tensor_core_tile, tensor_core_verify_kernel, window_terms_kernel
 
@@ -49,7 +50,7 @@ from .verify_tensor_cores import tensor_core_tile, tensor_core_verify_kernel, wi
 def _verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr,
     state_ptr, correction_ptr, key_gate_ptr, out_ptr, vectors_ptr, coupling_ptr,
-    pending_ptr, pending_terms_ptr, query_start_ptr, state_indices_ptr,
+    pending_ptr, pending_terms_ptr, query_start_ptr, state_indices_ptr, parent_ptr,
     num_blocks, lower_bound, scale,
     stride_q_tok, stride_q_head, stride_q_dim,
     stride_k_tok, stride_k_head, stride_k_dim,
@@ -61,10 +62,10 @@ def _verify_kernel(
     stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
     stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
     stride_o_tok, stride_o_head, stride_o_dim,
-    stride_query_start, stride_state_indices, stride_pending,
+    stride_query_start, stride_state_indices, stride_pending, stride_parent,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPEC_LEN: tl.constexpr, BT: tl.constexpr, RECORDS: tl.constexpr, BR: tl.constexpr,
-    DEFERRED: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    DEFERRED: tl.constexpr, TREE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr, UNROLL_TOKENS: tl.constexpr,
     CLOSED_FORM: tl.constexpr, TENSOR_CORES: tl.constexpr, NP: tl.constexpr,
     STAGES: tl.constexpr, PREFETCH_STATE: tl.constexpr,
@@ -149,7 +150,24 @@ def _verify_kernel(
         # Deferred: closed forms keep the coefficients of pending_terms, `[BR, 2 BT]`;
         # the token loop the pending records' decays and keys, `[BR, 2 BK]`.
         pending_at = pending_terms_ptr + head_row * (BR * 2 * (BT if CLOSED_FORM else BK))
-        if CLOSED_FORM:
+        if TREE:
+            # The same terms along each node's path: the walk gathers its
+            # ancestors' keys and decays from the rows written first.
+            decays = tl.where(tile_mask, decays, 1.0)
+            tl.store(vec_tile + 2 * BK, keys)
+            tl.store(vec_tile + 3 * BK, queries)
+            tl.store(vec_tile + 4 * BK, decays)
+            tl.debug_barrier()  # the rows are written before the walk gathers them
+            key_terms, query_terms, key_coupling, query_coupling = tree_window_terms(
+                keys, queries, decays, vec_base + 2 * BK, NUM_VECTORS * BK, 2 * BK, parent_ptr,
+                stride_parent, bos, processed, steps, offs_k, mask_k, SPEC_LEN)
+            tl.store(vec_tile, key_terms)
+            tl.store(vec_tile + BK, query_terms)
+            coupling_at = coupling_ptr + head_row * (2 * BT * BT)
+            coupling_tile = coupling_at + steps[:, None] * BT + steps[None, :]
+            tl.store(coupling_tile, key_coupling)
+            tl.store(coupling_tile + BT * BT, query_coupling)
+        elif CLOSED_FORM:
             # E_t, the decay product of tokens 0..t, scales the token's key and
             # query for their products with the checkpoint; k, q and the decay
             # feed the coupling below.
@@ -428,10 +446,11 @@ def _row_dot(products, NUM_CHUNKS: tl.constexpr, BV: tl.constexpr, KEY_CHUNK: tl
 
 
 def verify_launches(config, key_dim, value_dim, spec_len, use_lower_bound, pdl, records=None,
-                    deferred=False):
+                    deferred=False, tree=False):
     """The kernels of one verify launch: {name: (kernel, constexprs, num_warps)},
-    for windows of up to `spec_len` tokens and records of `records` positions
-    (default spec_len). tools/kernel_resources.py compiles exactly these."""
+    for windows (trees with `tree`) of up to `spec_len` tokens and records of
+    `records` positions (default spec_len). tools/kernel_resources.py compiles
+    exactly these."""
     records = spec_len if records is None else records
     BK = triton.next_power_of_2(key_dim)
     BT = triton.next_power_of_2(spec_len)
@@ -441,8 +460,8 @@ def verify_launches(config, key_dim, value_dim, spec_len, use_lower_bound, pdl, 
         link = config.link_on_tensor_cores
         return {
             "window_terms": (window_terms_kernel,
-                             dict(shape, USE_LOWER_BOUND=use_lower_bound, LINK_MATRIX=link,
-                                  PDL=pdl), WINDOW_TERMS_WARPS),
+                             dict(shape, TREE=tree, USE_LOWER_BOUND=use_lower_bound,
+                                  LINK_MATRIX=link, PDL=pdl), WINDOW_TERMS_WARPS),
             "verify_tensor_cores": (tensor_core_verify_kernel,
                                     dict(shape, V=value_dim, BV=config.block_v,
                                          NP=max(16, 2 * BT), KEY_CHUNK=config.key_chunk,
@@ -451,7 +470,7 @@ def verify_launches(config, key_dim, value_dim, spec_len, use_lower_bound, pdl, 
                                     config.num_warps),
         }
     return {"verify": (_verify_kernel, dict(
-        shape, V=value_dim, BV=config.block_v, USE_LOWER_BOUND=use_lower_bound,
+        shape, TREE=tree, V=value_dim, BV=config.block_v, USE_LOWER_BOUND=use_lower_bound,
         KEY_CHUNK=config.key_chunk, V_TILES=config.v_tiles, UNROLL_TOKENS=config.unroll_tokens,
         CLOSED_FORM=config.closed_form, TENSOR_CORES=config.tensor_cores, NP=max(16, 2 * BT),
         STAGES=config.stages, PREFETCH_STATE=config.prefetch_state and pdl, PDL=pdl),
@@ -460,18 +479,20 @@ def verify_launches(config, key_dim, value_dim, spec_len, use_lower_bound, pdl, 
 
 def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                   query_start_loc, state_indices, lower_bound, scale, out, dims, pending=None,
-                  spec_len=None):
-    """`spec_len`: the longest window, T (default: the records' positions)."""
+                  spec_len=None, parent=None):
+    """`spec_len`: the longest window, T (default: the records' positions);
+    `parent`: the windows' tree parents (default: chains)."""
     if dims.batch == 0:
         return
     num_heads, K, V = dims.num_heads, dims.key_dim, dims.value_dim
     records = dims.spec_len
     spec_len = records if spec_len is None else spec_len
     deferred = pending is not None
-    config = verify_config(K, V, dims.batch * num_heads, spec_len, deferred)
+    tree = parent is not None
+    config = verify_config(K, V, dims.batch * num_heads, spec_len, deferred, tree)
     launch = dependent_launch(q, dims.batch)
     kernels = verify_launches(config, K, V, spec_len, lower_bound is not None, launch["PDL"],
-                              records, deferred)
+                              records, deferred, tree)
     BK = triton.next_power_of_2(K)
     BT = triton.next_power_of_2(spec_len)
     BR = triton.next_power_of_2(records)
@@ -483,6 +504,7 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         (dims.batch, num_heads, BR * 2 * (BT if config.closed_form else BK)) if deferred else (1,),
         device=q.device, dtype=torch.float32)
     counts = pending if deferred else state_indices  # unread in the immediate schedule
+    parents = parent if tree else state_indices  # unread for chains
     index_args = (pending_terms, query_start_loc, state_indices)
     scalars = (dims.num_blocks, float(lower_bound or 0.0), float(scale))
     index_strides = (query_start_loc.stride(0), state_indices.stride(0), counts.stride(0))
@@ -496,9 +518,10 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         kernel, constexprs, warps = kernels["window_terms"]
         wrap_triton(kernel)[(dims.batch, num_heads)](
             q, k, g, beta, A_log, dt_bias, key_gate, terms, coupling, counts, *index_args,
-            *scalars, *_token_strides(q), *_token_strides(k), *_token_strides(g),
+            parents, *scalars, *_token_strides(q), *_token_strides(k), *_token_strides(g),
             *beta.stride()[-2:], A_log.stride(0), *dt_strides, *key_gate.stride(),
-            *index_strides, **constexprs, num_warps=warps, **launch_options(launch),
+            *index_strides, parents.stride(0), **constexprs, num_warps=warps,
+            **launch_options(launch),
         )
         kernel, constexprs, warps = kernels["verify_tensor_cores"]
         wrap_triton(kernel)[(triton.cdiv(V, config.block_v), dims.batch, num_heads)](
@@ -519,12 +542,13 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     kernel, constexprs, warps = kernels["verify"]
     wrap_triton(kernel)[grid](
         q, k, v, g, beta, A_log, dt_bias,
-        state, correction, key_gate, out, vectors, coupling, counts, *index_args, *scalars,
+        state, correction, key_gate, out, vectors, coupling, counts, *index_args, parents,
+        *scalars,
         *_token_strides(q), *_token_strides(k), *_token_strides(v), *_token_strides(g),
         *beta.stride()[-2:],
         A_log.stride(0), *dt_strides,
         *state.stride(), *correction.stride(), *key_gate.stride(), *_token_strides(out),
-        *index_strides,
+        *index_strides, parents.stride(0),
         **constexprs, num_warps=warps, **launch_options(launch),
     )
 

@@ -18,13 +18,14 @@ import triton
 import triton.language as tl
 
 from .common import (block_is_valid, link_tokens, live_range, load_window, pending_terms,
-                     wait_for_previous_kernel, window_after_records, window_vectors)
+                     tree_window_terms, wait_for_previous_kernel, window_after_records,
+                     window_vectors)
 
 
 @triton.jit
 def window_terms_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, key_gate_ptr, terms_ptr, coupling_ptr,
-    pending_ptr, pending_terms_ptr, query_start_ptr, state_indices_ptr,
+    pending_ptr, pending_terms_ptr, query_start_ptr, state_indices_ptr, parent_ptr,
     num_blocks, lower_bound, scale,
     stride_q_tok, stride_q_head, stride_q_dim,
     stride_k_tok, stride_k_head, stride_k_dim,
@@ -32,9 +33,9 @@ def window_terms_kernel(
     stride_beta_tok, stride_beta_head,
     stride_A_head, stride_dt_head, stride_dt_dim,
     stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
-    stride_query_start, stride_state_indices, stride_pending,
+    stride_query_start, stride_state_indices, stride_pending, stride_parent,
     K: tl.constexpr, BK: tl.constexpr, SPEC_LEN: tl.constexpr, BT: tl.constexpr,
-    RECORDS: tl.constexpr, BR: tl.constexpr, DEFERRED: tl.constexpr,
+    RECORDS: tl.constexpr, BR: tl.constexpr, DEFERRED: tl.constexpr, TREE: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, LINK_MATRIX: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -45,7 +46,8 @@ def window_terms_kernel(
     written. Rows past the window hold zeros (a decay of 1), so their coupling
     is zero. Deferred, the terms are those of the checkpoint folded with the
     pending records, and their coefficients go to `pending_terms`
-    (common.pending_terms)."""
+    (common.pending_terms). With TREE, the terms and couplings follow each
+    node's path (common.tree_window_terms)."""
     wait_for_previous_kernel(PDL)
     lower_bound = tl.cast(lower_bound, tl.float32)
     scale = tl.cast(scale, tl.float32)
@@ -85,20 +87,32 @@ def window_terms_kernel(
         keys, queries, decays = window_vectors(raw_k, raw_g, raw_q, dt_bias, A, lower_bound,
                                                scale, USE_LOWER_BOUND)
         decays = tl.where(tile_mask, decays, 1.0)
-        window_decays = tl.cumprod(decays, axis=0)
         head_row = (b * tl.num_programs(1) + h).to(tl.int64)  # workspace rows: int64 offsets
-        key_terms = keys * window_decays
-        query_terms = queries * window_decays
+        terms_tile = terms_ptr + head_row * (2 * BT * BK) + steps[:, None] * BK + offs_k[None, :]
+        if TREE:
+            # The walk gathers ancestors' keys and decays from the terms' rows,
+            # written first and overwritten by the terms once it is done.
+            tl.store(terms_tile, keys)
+            tl.store(terms_tile + BT * BK, decays)
+            tl.debug_barrier()
+            key_terms, query_terms, key_coupling, query_coupling = tree_window_terms(
+                keys, queries, decays, terms_ptr + head_row * (2 * BT * BK), BK, BT * BK,
+                parent_ptr, stride_parent, bos, processed, steps, offs_k, mask_k, SPEC_LEN)
+            tl.debug_barrier()
+        else:
+            window_decays = tl.cumprod(decays, axis=0)
+            key_terms = keys * window_decays
+            query_terms = queries * window_decays
         if DEFERRED:
             key_terms, query_terms = pending_terms(
                 key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
                 dt_bias, A, lower_bound, offs_k, mask_k,
                 pending_terms_ptr + head_row * (BR * 2 * BT), K, BK, BR, USE_LOWER_BOUND,
                 PREFETCHED=False)
-        terms_tile = terms_ptr + head_row * (2 * BT * BK) + steps[:, None] * BK + offs_k[None, :]
         tl.store(terms_tile, key_terms)
         tl.store(terms_tile + BT * BK, query_terms)
-        key_coupling, query_coupling = _coupling(keys, queries, decays, steps, SPEC_LEN)
+        if not TREE:
+            key_coupling, query_coupling = _coupling(keys, queries, decays, steps, SPEC_LEN)
         if LINK_MATRIX:
             beta = tl.load(beta_ptr + (bos + steps) * stride_beta_tok + h * stride_beta_head,
                            mask=steps < processed, other=0.0).to(tl.float32)
