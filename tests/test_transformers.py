@@ -34,6 +34,15 @@ def repeating_prompt(seed):
     return prompt(seed)[:, :4].repeat(1, PROMPT // 4)
 
 
+def transformers_own(model):
+    """The model for transformers' own forward and generate: on CUDA its KDA
+    layers call fla's Triton kernels (when installed), which take no float64,
+    so a float64 model's own runs go to a CPU copy."""
+    if model.dtype == torch.float64 and model.device.type != "cpu":
+        return copy.deepcopy(model).cpu()
+    return model
+
+
 def kda_states(cache, model):
     return {i: cache.get_recurrent_state(i).transpose(-1, -2)
             for i, kind in enumerate(model.config.layer_types) if kind == KDA}
@@ -50,7 +59,8 @@ def check_generation(model, ids, generated, cache, oracle, *, device="cpu"):
     # (in windows of 16 tokens: fewer launches than the generation's).
     with torch.no_grad():
         ours = model(generated[:, :-1].to(device), cache=KDACache(model, spec_len=16)).logits.cpu()
-        theirs = model(generated[:, :-1].to(device)).logits.cpu()
+        own = transformers_own(model)
+        theirs = own(generated[:, :-1].to(own.device)).logits.cpu()
     full_oracle, _, _ = oracle(generated[:, :-1])
     for row in range(generated.shape[0]):
         assert not explained_by_near_ties(generated[row], ours[row], full_oracle[row],
@@ -70,14 +80,15 @@ def check_generation(model, ids, generated, cache, oracle, *, device="cpu"):
 def check_against_plain_generate(model, ids, generated, oracle, **kwargs):
     """transformers' own greedy `generate` gives our tokens, or its first
     different token is a near tie of its own error."""
-    plain = model.generate(ids, max_new_tokens=generated.shape[1] - ids.shape[1],
-                           do_sample=False, **kwargs).cpu()
+    own = transformers_own(model)
+    plain = own.generate(ids.to(own.device), max_new_tokens=generated.shape[1] - ids.shape[1],
+                         do_sample=False, **kwargs).cpu()
     generated = generated.cpu()
     differs = (plain != generated).any(0).nonzero()
     if differs.numel():
         first = int(differs[0])
         with torch.no_grad():
-            theirs = model(plain[:, :first].to(model.device)).logits[:, -1].cpu()
+            theirs = own(plain[:, :first].to(own.device)).logits[:, -1].cpu()
         expected, _, _ = oracle(plain[:, :first])
         for row in range(plain.shape[0]):
             want, got = int(expected[row, -1].argmax()), int(plain[row, first])
@@ -185,8 +196,9 @@ def test_batched_generation_with_padding(device):
     cache = KDACache(model)
     generated = model.generate(ids.to(device), attention_mask=mask.to(device),
                                max_new_tokens=40, do_sample=False, cache=cache).cpu()
-    stock = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=40,
-                           do_sample=False).cpu()
+    own = transformers_own(model)
+    stock = own.generate(ids.to(own.device), attention_mask=mask.to(own.device),
+                         max_new_tokens=40, do_sample=False).cpu()
     oracle = Oracle(model.cpu())
     model.to(device)
     states = kda_states(cache, model)
@@ -197,7 +209,7 @@ def test_batched_generation_with_padding(device):
         for layer, state in oracle_states.items():
             assert rel_error(states[layer][row:row + 1], state) <= 1e-10
         assert torch.equal(generated[row], stock[row]) or not explained_by_near_ties(
-            stock[row, start:], model(stock[row:row + 1, start:-1].to(device)).logits[0].cpu(),
+            stock[row, start:], own(stock[row:row + 1, start:-1].to(own.device)).logits[0].cpu(),
             oracle(stock[row:row + 1, start:-1])[0][0], PROMPT - start)
 
 

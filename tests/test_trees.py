@@ -111,8 +111,8 @@ def test_tree_verify_matches_the_oracle(device, lower_bound):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form, link, T", [
     ("closed_form", None, 16), ("closed_form", None, 3), ("tensor_cores", None, 16),
-    ("tensor_cores", None, 6), ("separate_terms", False, 16), ("separate_terms", True, 16),
-    ("separate_terms", True, 8)])
+    ("tensor_cores", None, 6), ("separate_terms", None, 16), ("separate_terms", True, 8),
+    ("separate_terms", False, 8)])
 def test_tree_verify_in_every_kernel_form(device, form, link, T):
     """Every form the kernels take trees in (all but the token loop), at 16
     nodes and fewer: K = 16 for the tensor cores, V = 40 a partial value
@@ -135,7 +135,7 @@ def test_tree_verify_in_every_kernel_form(device, form, link, T):
 def test_trees_take_the_closed_forms_only():
     """No token loop for trees (it carries one chain's state): the closed form
     where a chain would loop, the tensor cores up to 16 nodes; forcing the
-    loop on a tree is refused."""
+    loop on a tree is refused; the tensor-core link up to 8 nodes."""
     assert verify_config(128, 128, 32, 16).form == "token_loop"
     assert verify_config(128, 128, 32, 16, tree=True).form == "closed_form"
     assert verify_config(128, 128, 32 * 64, 16, tree=True).form == "separate_terms"
@@ -143,6 +143,10 @@ def test_trees_take_the_closed_forms_only():
     assert verify_config(128, 128, 32 * 64, 24, tree=True).form == "closed_form"
     with kernel_choices(verify_form="token_loop"), pytest.raises(ValueError, match="chains only"):
         verify_config(128, 128, 32, 8, tree=True)
+    # Linked on tensor cores up to 8 nodes, even when asked for (16 lost accuracy).
+    with kernel_choices(link_on_tensor_cores=True):
+        assert verify_config(128, 128, 32 * 64, 8, tree=True).link_on_tensor_cores
+        assert not verify_config(128, 128, 32 * 64, 16, tree=True).link_on_tensor_cores
 
 
 @pytest.mark.parametrize("device", DEVICES)

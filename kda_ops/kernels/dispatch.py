@@ -65,8 +65,10 @@ SMALL_STATE_TILE = (32, 2)
 STATE_TILE = (64, 4)
 # ... and the window terms in one-warp programs.
 WINDOW_TERMS_WARPS = 1
-# It links the tokens by a tensor-core product from T = 5 (8-10% faster at T = 8, 1-3% slower at 4).
+# It links the tokens by a tensor-core product from T = 5 (8-10% faster at T = 8, 1-3% slower at 4)
 LINK_ON_TENSOR_CORES_FROM_LEN = 5
+# up to T = 8: trees of 16 nodes linked so lost accuracy (relative error 5.5e-4 on H100).
+LINK_ON_TENSOR_CORES_UP_TO = 8
 
 VERIFY_FORMS = ("token_loop", "closed_form", "tensor_cores", "separate_terms")
 
@@ -86,7 +88,7 @@ class KernelChoices:
         its state before its wait (16 verifies + commit at B = 1: 79 / 82 / 131
         against 87 / 87 / 134 µs at T = 2 / 4 / 8).
     link_on_tensor_cores: the two-kernel form's token links (default from
-        LINK_ON_TENSOR_CORES_FROM_LEN).
+        LINK_ON_TENSOR_CORES_FROM_LEN); never past LINK_ON_TENSOR_CORES_UP_TO.
     listed_folds: whether the deferred commit plans its folds first (default
         from LISTED_FOLDS_FROM_BATCH).
     cheap_tf32_split: the two-kernel form splits its 3xTF32 operands with an
@@ -191,7 +193,7 @@ def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False,
                          "take 'closed_form', 'tensor_cores' or 'separate_terms'")
     key_chunk = min(triton.next_power_of_2(key_dim), 32)
     link = (spec_len >= LINK_ON_TENSOR_CORES_FROM_LEN if choices.link_on_tensor_cores is None
-            else choices.link_on_tensor_cores)
+            else choices.link_on_tensor_cores) and spec_len <= LINK_ON_TENSOR_CORES_UP_TO
     common = dict(form=form, key_chunk=key_chunk, link_on_tensor_cores=link,
                   cheap_tf32_split=choices.cheap_tf32_split,
                   prefetch_state=choices.prefetch_state)

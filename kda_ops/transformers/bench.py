@@ -8,9 +8,12 @@ with transformers' own prompt-lookup decoding, and with prompt lookup through
     python -m kda_ops.transformers.bench --table out.json
 
 The model has random weights (bf16, hidden 2048, KDA heads of K = V = 128,
-every `--kda-every`-th layer full attention), scaled so that its greedy text
-falls into cycles that prompt lookup drafts right: what the acceptance would
-be on repetitive text. Each mode generates `--new-tokens` tokens from the
+every `--kda-every`-th layer full attention, mixers' and MLPs' outputs scaled
+down),
+except its output head: each token's row is the embedding of the token that
+precedes it in the prompt's repeating pattern, so that the greedy text goes on
+repeating the pattern, which prompt lookup drafts right: the acceptance of
+repetitive text. Each mode generates `--new-tokens` tokens from the
 same prompt `--repeats` times after a warm-up; the row is the median
 throughput (prefill included, CUDA synchronised). Acceptance is tokens per
 target forward. Speculative state is what each cache holds per KDA layer and
@@ -31,7 +34,7 @@ from .cache import KDACache
 MODES = ("plain", "transformers_lookup", "kda_ops_lookup")
 
 
-def random_kimi_linear(opts, device):
+def random_kimi_linear(opts, device, pattern):
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
     layer_types = ["full_attention" if (i + 1) % opts.kda_every == 0 else "linear_attention"
                    for i in range(opts.layers)]
@@ -47,8 +50,13 @@ def random_kimi_linear(opts, device):
         model = KimiLinearForCausalLM(config)
     model = model.to(torch.bfloat16).eval()
     with torch.no_grad():
-        for layer in model.model.layers:  # the greedy text then falls into cycles
+        for layer in model.model.layers:  # the residual stream stays near the token's embedding
             layer.self_attn.o_proj.weight.mul_(opts.mixer_scale)
+            layer.mlp.down_proj.weight.mul_(opts.mixer_scale)
+        # Next token = the pattern's successor of the current one (others: itself).
+        successor = torch.arange(opts.vocab, device=device)
+        successor[pattern] = pattern.roll(-1)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight[successor.argsort()])
     return model
 
 
@@ -94,10 +102,10 @@ def generate(model, ids, mode, new_tokens, draft):
 
 def run(opts):
     device = torch.device("cuda")
-    model = random_kimi_linear(opts, device)
-    pattern = torch.randint(2, opts.vocab, (1, opts.prompt // 4),
-                            generator=torch.Generator().manual_seed(0))
-    ids = pattern.repeat(1, 4).to(device)
+    pattern = (torch.randperm(opts.vocab - 2, generator=torch.Generator().manual_seed(0))
+               [:opts.prompt // 4] + 2).to(device)
+    model = random_kimi_linear(opts, device, pattern)
+    ids = pattern.repeat(1, 4)
     rows, reference = [], None
     for mode in MODES:
         generate(model, ids, mode, min(opts.new_tokens, 32), opts.draft)  # warm-up
@@ -138,7 +146,7 @@ def main(argv=None):
     parser.add_argument("--hidden", type=positive_int, default=2048)
     parser.add_argument("--vocab", type=positive_int, default=32000)
     parser.add_argument("--mixer-scale", type=float, default=0.05,
-                        help="scales every mixer's output projection (default: %(default)s)")
+                        help="scales every mixer's and MLP's output projection (default: %(default)s)")
     parser.add_argument("--prompt", type=positive_int, default=64)
     parser.add_argument("--draft", type=positive_int, default=4,
                         help="prompt_lookup_num_tokens (default: %(default)s)")
