@@ -254,8 +254,9 @@ def test_performance_doc_shows_the_saved_h200_runs():
 @pytest.mark.parametrize("name", ["bench_h100_deferred_t2.json", "bench_h100_deferred_t4.json",
                                   "bench_h100_deferred_t8.json",
                                   "bench_h100_deferred_records.json",
-                                  "bench_h100_deferred_t4_r12.json"])
-def test_performance_doc_shows_the_saved_deferred_runs(name):
+                                  "bench_h100_deferred_t4_r12.json",
+                                  "bench_h100_trees_t8.json", "bench_h100_trees_t16.json"])
+def test_performance_doc_shows_the_saved_deferred_and_tree_runs(name):
     saved = json.loads((DOCS / name).read_text())
     assert bench.markdown_table([saved]) in (DOCS / "performance.md").read_text()
 

@@ -123,8 +123,7 @@ def test_prompt_lookup_in_float64(device, name, draft, copying, seed):
         assert accepted >= 0.6 * drafted and (draft + 1, 0) in cache.rollbacks
     else:  # drafts proposed and every one rejected
         assert drafted > 0 and accepted == 0
-    oracle = Oracle(model.cpu())
-    model.to(device)
+    oracle = Oracle(model)
     check_generation(model, ids, generated, cache, oracle, device=device)
     check_against_plain_generate(model, ids, generated, oracle)
 
@@ -153,8 +152,7 @@ def test_assistant_model_in_float64(device, name, draft, same):
                                cache=cache)
     drafted, accepted = cache.drafted_and_accepted()
     assert drafted > 0 and (accepted >= 0.8 * drafted if same else accepted < drafted)
-    oracle = Oracle(model.cpu())
-    model.to(device)
+    oracle = Oracle(model)
     check_generation(model, ids, generated, cache, oracle, device=device)
     check_against_plain_generate(model, ids, generated, oracle)
 
@@ -177,8 +175,7 @@ def test_speculative_generation_in_float32(device, name, draft, copying, assista
                                **options)
     drafted, _ = cache.drafted_and_accepted()
     assert drafted > 0
-    oracle = Oracle(model.cpu())
-    model.to(device)
+    oracle = Oracle(model)
     check_generation(model, ids, generated, cache, oracle, device=device)
     check_against_plain_generate(model, ids, generated, oracle)
 
@@ -199,8 +196,7 @@ def test_batched_generation_with_padding(device):
     own = transformers_own(model)
     stock = own.generate(ids.to(own.device), attention_mask=mask.to(own.device),
                          max_new_tokens=40, do_sample=False).cpu()
-    oracle = Oracle(model.cpu())
-    model.to(device)
+    oracle = Oracle(model)
     states = kda_states(cache, model)
     for row, start in ((0, 0), (1, 5)):
         tokens = generated[row:row + 1, start:]

@@ -134,12 +134,14 @@ def test_tree_verify_in_every_kernel_form(device, form, link, T):
 
 def test_trees_take_the_closed_forms_only():
     """No token loop for trees (it carries one chain's state): the closed form
-    where a chain would loop, the tensor cores up to 16 nodes; forcing the
-    loop on a tree is refused; the tensor-core link up to 8 nodes."""
+    where a chain would loop, the tensor cores up to 16 nodes (in two kernels
+    up to 8); forcing the loop on a tree is refused; the tensor-core link up
+    to 8 nodes."""
     assert verify_config(128, 128, 32, 16).form == "token_loop"
     assert verify_config(128, 128, 32, 16, tree=True).form == "closed_form"
-    assert verify_config(128, 128, 32 * 64, 16, tree=True).form == "separate_terms"
+    assert verify_config(128, 128, 32 * 64, 8, tree=True).form == "separate_terms"
     assert verify_config(128, 128, 32 * 8, 8, tree=True).form == "tensor_cores"
+    assert verify_config(128, 128, 32 * 64, 16, tree=True).form == "tensor_cores"
     assert verify_config(128, 128, 32 * 64, 24, tree=True).form == "closed_form"
     with kernel_choices(verify_form="token_loop"), pytest.raises(ValueError, match="chains only"):
         verify_config(128, 128, 32, 8, tree=True)

@@ -102,7 +102,12 @@ def _oracle_kda_forward(self, hidden_states, *args, attention_mask=None, **kwarg
 
 
 class Oracle:
-    """`model` in float64 with every KDA layer computed by `_oracle_kda_forward`."""
+    """`model` in float64 with every KDA layer computed by `_oracle_kda_forward`,
+    on the model's device: its other layers run as the model's do there (on
+    CUDA transformers routes some to fla's kernels, which round a float64
+    model to about float32: a CPU oracle's first KDA state differed by 1e-7),
+    so that the oracle differs from the model in the KDA layers only. Takes
+    and returns CPU tensors."""
 
     def __init__(self, model):
         self.model = copy.deepcopy(model).to(torch.float64)
@@ -114,9 +119,11 @@ class Oracle:
     @torch.no_grad()
     def __call__(self, ids, attention_mask=None):
         """(logits [B, S, vocab], {layer: state [B, H, V, K]}, {layer: conv history})."""
-        logits = self.model(ids, attention_mask=attention_mask).logits
-        return (logits, {m.layer_idx: m._oracle_state for m in self.kda},
-                {m.layer_idx: m._oracle_conv_history for m in self.kda})
+        device = self.model.device
+        mask = None if attention_mask is None else attention_mask.to(device)
+        logits = self.model(ids.to(device), attention_mask=mask).logits.cpu()
+        return (logits, {m.layer_idx: m._oracle_state.cpu() for m in self.kda},
+                {m.layer_idx: m._oracle_conv_history.cpu() for m in self.kda})
 
 
 def explained_by_near_ties(chosen, logits, oracle_logits, start):

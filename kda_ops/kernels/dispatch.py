@@ -36,6 +36,9 @@ TENSOR_CORES_MIN_KEYS = 16
 TENSOR_CORES_UP_TO = 8
 # ... or trees of at most 16 nodes: trees have no token loop to fall back on.
 TREE_TENSOR_CORES_UP_TO = 16
+# Trees past 8 nodes skip the two-kernel form: at 16 it ran at 13-14% of copy from B = 32,
+# the one-kernel form at 26% at B = 8 (H100).
+TREE_SEPARATE_TERMS_UP_TO = 8
 # One-kernel tensor cores for T = 5..8 from this many pairs (27-29% faster than the loop at T = 8).
 TENSOR_CORES_FROM_PAIRS = 256
 # Its tile: 128 rows with 8 warps (7-19% faster than 64 rows with 4), 3 stages (4-8% over 2).
@@ -169,7 +172,8 @@ def verify_form(key_dim, request_heads, spec_len, deferred=False, tree=False) ->
     else:
         separate_from, one_kernel_from = SEPARATE_TERMS_FROM_PAIRS, TENSOR_CORES_FROM_PAIRS
         separate_from_len = SEPARATE_TERMS_FROM_LEN
-    if (fit and spec_len >= separate_from_len
+    separate_fits = fit and not (tree and spec_len > TREE_SEPARATE_TERMS_UP_TO)
+    if (separate_fits and spec_len >= separate_from_len
             and statically_known_true(request_heads >= separate_from)):
         return "separate_terms"
     if fit and long_window and statically_known_true(request_heads >= one_kernel_from):
