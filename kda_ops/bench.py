@@ -4,8 +4,8 @@
                                    step_compiled,verify_tree,commit_tree]
                             [--batches 1,8,32,...] [--spec-lens 2,4,8]
                             [--record-lens 12,16] [--acceptance 0.7,1]
-                            [--layers 16] [--json out.json] [--plot out.png]
-    python -m kda_ops.bench --table out.json [more.json ...] [--plot out.png]
+                            [--layers 16] [--save runs.csv] [--run NAME] [--plot out.png]
+    python -m kda_ops.bench --table runs.csv [--runs NAME,...] [--plot out.png]
 
 Ops: verify and conv_update (one layer), commit (all layers; commit_align: in
 align mode, every window crossing a block boundary), verify_commit (every
@@ -26,17 +26,22 @@ effective bandwidth as a fraction of the device-to-device copy bandwidth
 measured in the same run. Inputs rotate over up to 64 index sets, so that the
 state blocks (conv_update: history blocks) touched reach ROTATION_BYTES, about
 8x the L2 cache, where 64 sets allow it; docs/performance.md names the small
-batches where they do not. `--table` prints saved runs as a markdown table (no
-GPU needed): docs/performance.md's current numbers are that output.
+batches where they do not. `--save` appends the run's rows to a long-format
+table (a CSV file, a row per op and shape: SAVED_COLUMNS); `--table` prints
+saved runs from one as markdown tables (no GPU needed): docs/performance.md's
+tables are that output of docs/bench_runs.csv.
 """
 
 import argparse
+import csv
 import dataclasses
 import functools
-import json
 import math
 import random
+import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -537,9 +542,9 @@ def _cell(row):
 
 
 def markdown_table(runs):
-    """Saved runs (the dicts `--json` writes) as markdown: one line per run
-    naming its GPU, versions and copy bandwidth, then a row per op and window
-    length with each batch's time and fraction of copy."""
+    """Runs (`load_runs`) as one markdown table: a line per distinct GPU,
+    versions and copy bandwidth, then a row per op and window length with
+    each batch's time and fraction of copy."""
     headers = dict.fromkeys(f"{run['meta']['gpu']}, torch {run['meta']['torch']}, "
                             f"Triton {run['meta']['triton']}, "
                             f"copy {run['meta']['copy_bandwidth_gbs']:.0f} GB/s" for run in runs)
@@ -558,11 +563,10 @@ def markdown_table(runs):
 def _record_memory_lines(runs):
     """Per request and layer, for each (T, R) of a deferred row: the records'
     bytes next to one state's and to the T states that speculative decoding
-    without records keeps."""
+    without records keeps (at the benchmark's Shape)."""
     lines = []
+    shape = Shape(0, 0)
     for run in runs:
-        shape = Shape(0, 0, **{name: value for name, value in run.get("shape", {}).items()
-                               if name in ("heads", "key_dim", "value_dim")})
         for T, R in dict.fromkeys((row["spec_len"], row["record_len"]) for row in run["rows"]
                                   if row.get("record_len") is not None):
             records = R * record_bytes(shape)
@@ -578,9 +582,8 @@ def _tree_memory_lines(runs):
     nodes keeps (its records, as a chain's) next to T full states, what an
     engine without records keeps per node."""
     lines = []
+    shape = Shape(0, 0)
     for run in runs:
-        shape = Shape(0, 0, **{name: value for name, value in run.get("shape", {}).items()
-                               if name in ("heads", "key_dim", "value_dim")})
         for T in dict.fromkeys(row["spec_len"] for row in run["rows"]
                                if row.get("tree") is not None):
             records = T * record_bytes(shape)
@@ -616,16 +619,83 @@ def _op_list(text):
     return ops
 
 
-def _saved_run(path):
+# The long-format table of saved runs: a row per op and shape of a run.
+SAVED_COLUMNS = ("run", "gpu", "torch", "triton", "copy_gbs", "commit", "date", "op",
+                 "schedule", "tree", "T", "B", "R", "a", "layers", "time_us", "bytes",
+                 "fraction_of_copy")
+
+
+def save_run(path, name, meta, rows):
+    """Appends a run's rows to the long-format table at `path` (written with
+    its header when new)."""
+    path = Path(path)
+    new = not path.exists() or path.stat().st_size == 0
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, SAVED_COLUMNS, lineterminator="\n")
+        if new:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow(dict(
+                run=name, gpu=meta["gpu"], torch=meta["torch"], triton=meta["triton"],
+                copy_gbs=repr(meta["copy_bandwidth_gbs"]), commit=meta["commit"],
+                date=meta["date"], op=row["op"],
+                schedule="immediate" if row.get("record_len") is None else "deferred",
+                tree=row.get("tree") or "", T=row["spec_len"], B=row["batch"],
+                R="" if row.get("record_len") is None else row["record_len"],
+                a=repr(row.get("acceptance", 1.0)), layers=row["layers"],
+                time_us=repr(row["time_us"]), bytes=repr(row["bytes"]),
+                fraction_of_copy=repr(row["fraction_of_copy"])))
+
+
+def load_runs(path, names=None):
+    """The runs of the long-format table at `path` (all, or `names` in that
+    order) as dicts of `meta` and `rows`; ValueError if the file is not such
+    a table or a name is not in it."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or tuple(reader.fieldnames) != SAVED_COLUMNS:
+            raise ValueError(f"{path} is not a table of saved runs (expected the columns "
+                             f"{', '.join(SAVED_COLUMNS)})")
+        runs = {}
+        for line in reader:
+            run = runs.setdefault(line["run"], dict(name=line["run"], meta=dict(
+                gpu=line["gpu"], torch=line["torch"], triton=line["triton"],
+                copy_bandwidth_gbs=float(line["copy_gbs"]), commit=line["commit"],
+                date=line["date"]), rows=[]))
+            run["rows"].append(dict(
+                op=line["op"], tree=line["tree"] or None, spec_len=int(line["T"]),
+                batch=int(line["B"]), record_len=int(line["R"]) if line["R"] else None,
+                acceptance=float(line["a"]), layers=int(line["layers"]),
+                time_us=float(line["time_us"]), bytes=float(line["bytes"]),
+                fraction_of_copy=float(line["fraction_of_copy"])))
+    if names is None:
+        return list(runs.values())
+    missing = [name for name in names if name not in runs]
+    if missing:
+        raise ValueError(f"{path} has no run named {', '.join(missing)} (it has "
+                         f"{', '.join(runs)})")
+    return [runs[name] for name in names]
+
+
+def _saved_table(path):
+    if not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"no table of saved runs at {path!r}")
+    return path
+
+
+def _name_list(text):
+    return [name for name in text.split(",") if name]
+
+
+def _commit():
+    """The checkout's commit (with -dirty for uncommitted changes), or the
+    package version outside a git checkout."""
     try:
-        with open(path) as f:
-            run = json.load(f)
-    except (OSError, json.JSONDecodeError) as error:
-        raise argparse.ArgumentTypeError(f"cannot read a saved run from {path!r}: {error}")
-    if not (isinstance(run, dict) and {"meta", "rows"} <= run.keys()):
-        raise argparse.ArgumentTypeError(f"{path!r} is not a run written by --json "
-                                         "(expected keys 'meta' and 'rows')")
-    return run
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, check=True, cwd=Path(__file__).parent,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"kda_ops {kda_ops.__version__}"
 
 
 def main(argv=None):
@@ -650,21 +720,32 @@ def main(argv=None):
     parser.add_argument("--layers", type=positive_int, default=16,
                         help="layers for the ops that run every layer (commit, commit_align, "
                              "verify_commit, step, step_compiled) (default: %(default)s)")
-    parser.add_argument("--json", default="bench.json",
-                        help="where to write the rows and the run's GPU, versions and copy "
-                             "bandwidth (default: %(default)s)")
+    parser.add_argument("--save", default="bench_runs.csv", metavar="CSV",
+                        help="append the run's rows, with its GPU, versions, copy bandwidth, "
+                             "commit and date, to this long-format table (default: "
+                             "%(default)s)")
+    parser.add_argument("--run", default=None, metavar="NAME",
+                        help="the run's name in the saved table (default: GPU and time)")
     parser.add_argument("--plot", default=None,
                         help="also draw fraction of copy against batch to this PNG, for "
                              "this run or, with --table, the saved runs "
                              "(needs matplotlib: pip install 'kda_ops[plot]')")
-    parser.add_argument("--table", nargs="+", type=_saved_run, metavar="JSON",
-                        help="print these saved runs as a markdown table and exit "
+    parser.add_argument("--table", type=_saved_table, metavar="CSV",
+                        help="print the runs saved in this table as markdown and exit "
                              "(no GPU needed)")
+    parser.add_argument("--runs", type=_name_list, default=None, metavar="NAME,...",
+                        help="with --table: these runs only, as one table (default: each run "
+                             "as a table of its own)")
     opts = parser.parse_args(argv)
     if opts.table:
-        print(markdown_table(opts.table))
+        try:
+            runs = load_runs(opts.table, opts.runs)
+        except ValueError as error:
+            parser.error(f"argument --table: {error}")
+        print("\n\n".join([markdown_table(runs)] if opts.runs else
+                           [markdown_table([run]) for run in runs]))
         if opts.plot:
-            plot([row for run in opts.table for row in run["rows"]], opts.plot)
+            plot([row for run in runs for row in run["rows"]], opts.plot)
         return
     exit_unless_cuda_runs(parser.prog, "timing the ops", "--table prints saved runs without one")
     import triton
@@ -673,16 +754,13 @@ def main(argv=None):
     copy_bw, rows = run(opts.ops, opts.batches, opts.spec_lens, opts.layers, device,
                         opts.record_lens, opts.acceptance)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, copy_bandwidth_gbs=copy_bw / 1e9)
+                triton=triton.__version__, copy_bandwidth_gbs=copy_bw / 1e9,
+                commit=_commit(), date=time.strftime("%Y-%m-%d"))
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {meta['gpu']} "
           f"(torch {meta['torch']}, triton {meta['triton']})")
-    shape = {name: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
-             for name, value in dataclasses.asdict(Shape(0, 0)).items()
-             if name not in ("record_len", "acceptance", "tree")}  # per row
-    saved = dict(meta=meta, rows=rows, shape=shape)
-    with open(opts.json, "w") as f:
-        json.dump(saved, f, indent=1)
-    print(markdown_table([saved]))
+    name = opts.run or f"{meta['gpu']} {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    save_run(opts.save, name, meta, rows)
+    print(markdown_table([dict(meta=meta, rows=rows)]))
     if opts.plot:
         plot(rows, opts.plot)
 

@@ -3,7 +3,6 @@ and the bytes each op is divided by are the bytes of the tensors it must read
 and write once (docs/performance.md, Method), counted here from the tensors."""
 
 import dataclasses
-import json
 import pathlib
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from kda_ops import bench
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
-SAVED_H200_RUNS = [DOCS / "bench_h200.json", DOCS / "bench_h200_step.json"]
+SAVED_RUNS = DOCS / "bench_runs.csv"
 
 SHAPE = bench.Shape(batch=2, spec_len=3, layers=2, heads=2, key_dim=16, value_dim=8)
 
@@ -234,34 +233,60 @@ def test_markdown_table_names_each_distinct_run():
         "GPU X, torch 2.11.0, Triton 3.6.0, copy 3000 GB/s"]
 
 
-def test_table_rejects_a_file_that_is_not_a_saved_run(tmp_path, capsys):
-    not_a_run = tmp_path / "rows.json"
-    not_a_run.write_text("[]")
-    for path in (not_a_run, tmp_path / "missing.json"):
+def test_table_rejects_a_file_that_is_not_a_table_of_runs(tmp_path, capsys):
+    not_runs = tmp_path / "rows.csv"
+    not_runs.write_text("op,T,B\nverify,4,1\n")
+    for argv in (["--table", str(not_runs)], ["--table", str(tmp_path / "missing.csv")],
+                 ["--table", str(SAVED_RUNS), "--runs", "no-such-run"]):
         with pytest.raises(SystemExit) as exit_info:
-            bench.main(["--table", str(path)])
+            bench.main(argv)
         assert exit_info.value.code == 2
         assert "argument --table" in capsys.readouterr().err
 
 
-def test_performance_doc_shows_the_saved_h200_runs():
-    """docs/performance.md's current numbers are `--table` of the saved runs,
-    so they cannot drift from the JSON they come from."""
-    runs = [json.loads(path.read_text()) for path in SAVED_H200_RUNS]
-    assert bench.markdown_table(runs) in (DOCS / "performance.md").read_text()
+def test_saved_runs_round_trip(tmp_path):
+    """Two runs appended to one table come back as they were saved: the
+    schedule, tree and acceptance of each row, each run's GPU, versions,
+    commit and date."""
+    meta = dict(META, commit="abc1234", date="2026-12-07")
+    first = [dict(op="step", batch=8, spec_len=4, record_len=12, acceptance=0.7, tree=None,
+                  layers=16, time_us=123.456789, bytes=1.5e9, fraction_of_copy=0.812345),
+             dict(op="verify_tree", batch=1, spec_len=16, record_len=None, acceptance=1.0,
+                  tree="balanced", layers=1, time_us=23.4, bytes=2244736,
+                  fraction_of_copy=0.05)]
+    second = [dict(first[0], batch=64, time_us=1000.0)]
+    path = tmp_path / "runs.csv"
+    bench.save_run(path, "first", meta, first)
+    bench.save_run(path, "second", meta | {"gpu": "GPU Y"}, second)
+    runs = bench.load_runs(path)
+    assert [run["name"] for run in runs] == ["first", "second"]
+    assert runs[0]["meta"] == {name: meta[name] for name in (
+        "gpu", "torch", "triton", "copy_bandwidth_gbs", "commit", "date")}
+    assert runs[1]["meta"]["gpu"] == "GPU Y"
+    assert runs[0]["rows"] == first and runs[1]["rows"] == second
+    assert bench.load_runs(path, ["second"]) == runs[1:]
 
 
-@pytest.mark.parametrize("name", ["bench_h100_deferred_t2.json", "bench_h100_deferred_t4.json",
-                                  "bench_h100_deferred_t8.json",
-                                  "bench_h100_deferred_records.json",
-                                  "bench_h100_deferred_t4_r12.json",
-                                  "bench_h100_trees_t8.json", "bench_h100_trees_t16.json"])
-def test_performance_doc_shows_the_saved_deferred_and_tree_runs(name):
-    saved = json.loads((DOCS / name).read_text())
-    assert bench.markdown_table([saved]) in (DOCS / "performance.md").read_text()
+# The saved runs whose tables docs/performance.md shows.
+DOC_RUNS = ["h200-2026-12-05", "h100-deferred-t4", "h100-trees-t8", "h100-trees-t16"]
+
+
+@pytest.mark.parametrize("name", DOC_RUNS)
+def test_performance_doc_shows_the_saved_runs(name):
+    """docs/performance.md's tables are `--table` of the saved runs, so they
+    cannot drift from the rows they come from."""
+    assert (bench.markdown_table(bench.load_runs(SAVED_RUNS, [name]))
+            in (DOCS / "performance.md").read_text())
+
+
+def test_table_prints_each_saved_run(capsys):
+    bench.main(["--table", str(SAVED_RUNS)])
+    printed = capsys.readouterr().out
+    for run in bench.load_runs(SAVED_RUNS):
+        assert bench.markdown_table([run]) in printed
 
 
 def test_plot_of_saved_runs(tmp_path):
     png = tmp_path / "saved.png"
-    bench.main(["--table", *map(str, SAVED_H200_RUNS), "--plot", str(png)])
+    bench.main(["--table", str(SAVED_RUNS), "--runs", "h200-2026-12-05", "--plot", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
