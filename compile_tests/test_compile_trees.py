@@ -1,7 +1,8 @@
 """Tree drafts under torch.compile: a step of conv_update and verify over tree
 windows and the commit of accepted paths captures as one graph (fullgraph),
 compiles once as the trees change (their values, not their shapes) and at most
-twice as token counts change, matches eager under Inductor, and exports."""
+twice as token counts change, matches eager under Inductor, exports, and
+replays in one captured CUDA graph as the trees change."""
 
 import random
 
@@ -10,7 +11,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import kda_ops
-from compile_helpers import DEVICES, NOT_UNDER_INTERPRETER, assert_close
+from compile_helpers import DEVICES, NOT_UNDER_INTERPRETER, assert_close, requires_cuda
 
 pytestmark = NOT_UNDER_INTERPRETER
 
@@ -102,3 +103,26 @@ def test_tree_step_exports():
             "kda_ops.commit.default"} <= targets
     eager_args, exported_args = clone(args), clone(args)
     assert_close(program.module()(*exported_args), tree_step(*eager_args), name="out")
+
+
+@requires_cuda
+def test_one_cuda_graph_replays_changing_trees():
+    """A step captured once on fixed buffers (eager ops, no host sync) serves
+    every tree of the same token counts: each replay's new parents, paths,
+    inputs and caches copied in, its outputs and caches against eager."""
+    static = step_args("cuda", 30)
+    tree_step(*clone(static))  # compiles the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tree_step(*static)
+    for seed in (31, 32, 33):
+        fresh = step_args("cuda", seed)
+        for buffer, value in zip(static, fresh):
+            buffer.copy_(value)
+        eager_args = clone(fresh)
+        expected = tree_step(*eager_args)
+        graph.replay()
+        assert_close(out, expected, name="out")
+        for name, index in (("state", 11), ("conv_state", 12), ("correction", 13)):
+            assert_close(static[index], eager_args[index], name=name)
