@@ -156,8 +156,31 @@ class KDACache(Cache):
             state=zeros(L, N, H, V, K, dtype=state_dtype),
             conv_state=zeros(L, N, H * (2 * K + V), s.conv_width - 1 + T - 1, dtype=dtype),
             correction=zeros(L, N, H, T, V, dtype=record_dtype),
-            key_gate=zeros(L, N, H, T, 2 * K, dtype=dtype),
-            state_indices=torch.arange(1, N, dtype=torch.int32, device=device))
+            key_gate=zeros(L, N, H, T, 2 * K, dtype=dtype))
+        self._index_sequences(N - 1, device)
+
+    def _index_sequences(self, batch: int, device) -> None:
+        """Block indices of the sequences: 1..batch in every layer's slice of
+        the stacked buffers (`state_indices`), and the same blocks in the
+        buffers viewed as one layer of L * (batch + 1) blocks, a row per
+        layer (`layer_indices`, see _layer_caches)."""
+        L = self._shape.num_layers
+        indices = torch.arange(1, batch + 1, dtype=torch.int32, device=device)
+        layers = torch.arange(L, dtype=torch.int32, device=device)[:, None] * (batch + 1)
+        self._buffers.update(state_indices=indices, layer_indices=indices + layers)
+
+    def _layer_caches(self, slot: int):
+        """(state, conv_state, correction, key_gate, block indices) of one KDA
+        layer for the single-layer ops: the stacked buffers flattened into
+        one layer of L * (batch + 1) blocks, and the layer's blocks in it. A
+        layer's slice `buffer[slot]` would be a view at a nonzero offset,
+        which Inductor mishandles in a graph with dynamic shapes when an op
+        writes it (torch 2.13 on the CPU: wrong caches from the second KDA
+        layer on); the flattened views start where their buffers do."""
+        b = self._buffers
+        return (*(b[name].flatten(0, 1) for name in ("state", "conv_state", "correction",
+                                                      "key_gate")),
+                b["layer_indices"][slot])
 
     def _resize_records(self, capacity: int) -> None:
         """Records and convolution columns for windows of up to `capacity`
@@ -190,12 +213,16 @@ class KDACache(Cache):
         device = b["state"].device
         batch = b["state"].shape[1] - 1
         window = self._window if window is None else window
-        layer = slice(None) if slot is None else slot
+        if slot is None:
+            caches = [b[name] for name in ("state", "conv_state", "correction", "key_gate",
+                                           "state_indices")]
+        else:
+            caches = self._layer_caches(slot)
+        state, conv_state, correction, key_gate, indices = caches
         A_log, dt_bias = self._gate_parameters(slot)
         api.commit(torch.full((batch,), accepted, dtype=torch.int32, device=device),
-                   b["state_indices"], self._windows(batch, window, device),
-                   state=b["state"][layer], conv_state=b["conv_state"][layer],
-                   correction=b["correction"][layer], key_gate=b["key_gate"][layer],
+                   indices, self._windows(batch, window, device), state=state,
+                   conv_state=conv_state, correction=correction, key_gate=key_gate,
                    A_log=A_log, dt_bias=dt_bias)
 
     def _settle(self, remove: int = 0) -> None:
@@ -275,23 +302,21 @@ class KDACache(Cache):
     def _run_window(self, module, slot: int, hidden_states: Tensor) -> Tensor:
         """`conv_update` and `verify` of one layer over each sequence's next
         `hidden_states.shape[1]` tokens (records written, checkpoint read)."""
-        b = self._buffers
+        state, conv_state, correction, key_gate, indices = self._layer_caches(slot)
         batch, length, _ = hidden_states.shape
         H, K = self._shape.num_heads, self._shape.head_dim
         windows = self._windows(batch, length, hidden_states.device)
         tokens = hidden_states.reshape(batch * length, -1)
         mixed = torch.cat([module.q_proj(tokens), module.k_proj(tokens), module.v_proj(tokens)],
                           dim=-1)
-        mixed = api.conv_update(mixed, b["conv_state"][slot], module.conv1d.weight.squeeze(1),
-                                module.conv1d.bias, windows, b["state_indices"],
-                                activation="silu")
+        mixed = api.conv_update(mixed, conv_state, module.conv1d.weight.squeeze(1),
+                                module.conv1d.bias, windows, indices, activation="silu")
         q, k, v = (part.view(-1, H, K) for part in mixed.split(H * K, dim=-1))
         gate = module.forget_gate
         raw_gate = gate.f_b_proj(gate.f_a_proj(tokens)).view(-1, H, K)
         A_log, dt_bias = self._gate_parameters(slot)
         out = api.verify(q, k, v, raw_gate, module.b_proj(tokens), A_log, dt_bias,
-                         b["state"][slot], b["correction"][slot], b["key_gate"][slot],
-                         windows, b["state_indices"])
+                         state, correction, key_gate, windows, indices)
         output_gate = module.g_b_proj(module.g_a_proj(tokens)).view(-1, H, K)
         out = module.o_norm(out, output_gate).reshape(batch, length, H * K)
         return module.o_proj(out)
@@ -391,8 +416,7 @@ class KDACache(Cache):
         blocks = torch.cat([rows.new_zeros(1), rows + 1])
         for name in ("state", "conv_state", "correction", "key_gate"):
             self._buffers[name] = self._buffers[name][:, blocks].contiguous()
-        self._buffers["state_indices"] = torch.arange(
-            1, rows.shape[0] + 1, dtype=torch.int32, device=rows.device)
+        self._index_sequences(rows.shape[0], rows.device)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_sequences(beam_idx)
