@@ -25,7 +25,7 @@ SELECTION = [str(TESTS / "test_verify.py"), str(TESTS / "test_deferred.py"),
 @requires_cuda
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None,
                     reason="compute-sanitizer (CUDA toolkit) is not on PATH")
-def test_deferred_and_tree_kernels_under_memcheck():
+def test_deferred_and_tree_kernels_under_memcheck_on_cuda():
     """memcheck finds no access outside an allocation (every tensor its own
     allocation: PyTorch's caching allocator off), and the tests still pass
     under it."""
