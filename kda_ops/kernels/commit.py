@@ -310,8 +310,8 @@ def _commit_state_kernel(
         source, final, boundary = _plan_blocks(
             b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
             boundary_col, commit, stride_bt_row, stride_bt_col, ALIGN)
-        path_row = path_ptr + row * stride_path_row
-        last_node = _last_node(b, query_start_ptr, stride_query_start, SPEC_LEN)
+        path_row, last_node = _path_row(b, row, path_ptr, stride_path_row, query_start_ptr,
+                                        stride_query_start, SPEC_LEN, TREE)
         if _folds(commit, boundary_col, final, source, boundary, num_blocks, SPEC_LEN, RECORDS,
                   DEFERRED):
             _fold_tile(state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr, layer, h,
@@ -325,11 +325,15 @@ def _commit_state_kernel(
 
 
 @triton.jit
-def _last_node(b, query_start_ptr, stride_query_start, SPEC_LEN: tl.constexpr):
-    """The last node of request `b`'s window that an accepted path may name."""
-    window = (tl.load(query_start_ptr + (b + 1) * stride_query_start)
-              - tl.load(query_start_ptr + b * stride_query_start)).to(tl.int64)
-    return tl.minimum(tl.maximum(window, 1), SPEC_LEN) - 1
+def _path_row(b, row, path_ptr, stride_path_row, query_start_ptr, stride_query_start,
+              SPEC_LEN: tl.constexpr, TREE: tl.constexpr):
+    """(accepted path of `row`, last node of request `b`'s window that the path
+    may name) for path_position; nothing loaded for chains."""
+    if TREE:
+        window = (tl.load(query_start_ptr + (b + 1) * stride_query_start)
+                  - tl.load(query_start_ptr + b * stride_query_start)).to(tl.int64)
+        return path_ptr + row * stride_path_row, tl.minimum(tl.maximum(window, 1), SPEC_LEN) - 1
+    return path_ptr, tl.zeros_like(row)
 
 
 @triton.jit
@@ -391,8 +395,8 @@ def _commit_conv_kernel(
         cols = conv_ptr + layer * stride_layer + offs_d * stride_dim
         src = cols + source * stride_blk
         # History after n tokens: columns n-1 .. n-1+HISTORY-1 of the window buffer.
-        path_row = path_ptr + row * stride_path_row
-        last_node = _last_node(b, query_start_ptr, stride_query_start, SPEC_LEN)
+        path_row, last_node = _path_row(b, row, path_ptr, stride_path_row, query_start_ptr,
+                                        stride_query_start, SPEC_LEN, TREE)
         final_hist = ()
         boundary_hist = ()
         for c in tl.static_range(HISTORY):
