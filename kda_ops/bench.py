@@ -4,6 +4,7 @@
                                    step_compiled,verify_tree,commit_tree]
                             [--batches 1,8,32,...] [--spec-lens 2,4,8]
                             [--record-lens 12,16] [--acceptance 0.7,1]
+                            [--state-dtypes float32,bfloat16]
                             [--layers 16] [--save runs.csv] [--run NAME] [--plot out.png]
     python -m kda_ops.bench --table runs.csv [--runs NAME,...] [--plot out.png]
 
@@ -472,34 +473,41 @@ def _variants(op, T, record_lens, acceptances):
     return [dict(record_len=R, acceptance=a) for a in acceptances for R in lens]
 
 
-def run(ops, batches, spec_lens, layers, device, record_lens=(), acceptances=(1.0,)):
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def run(ops, batches, spec_lens, layers, device, record_lens=(), acceptances=(1.0,),
+        state_dtypes=("float32",)):
     copy_bw = copy_bandwidth(device)
     rows = []
-    for op in ops:
-        for T in spec_lens:
-            for variant in _variants(op, T, record_lens, acceptances):
-                for B in batches:
-                    shape = Shape(batch=B, spec_len=T, layers=layers, **variant)
-                    calls, moved = SETUPS[op](shape, device)
-                    us = graph_time_us(calls)
-                    bw = moved / (us * 1e-6)
-                    rows.append(dict(op=op, batch=B, spec_len=T, record_len=shape.record_len,
-                                     acceptance=shape.acceptance, tree=shape.tree,
-                                     layers=1 if op in ONE_LAYER_OPS else layers,
-                                     time_us=us, bytes=moved, bandwidth_gbs=bw / 1e9,
-                                     fraction_of_copy=bw / copy_bw,
-                                     floor_us=moved / copy_bw * 1e6))
-                    print(f"{_label(rows[-1]):32s} T={T} B={B:4d}  {us:9.1f} us  "
-                          f"{bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%} of copy  "
-                          f"(floor {moved / copy_bw * 1e6:8.1f} us)", file=sys.stderr, flush=True)
-                    del calls
-                    torch.cuda.empty_cache()
+    shapes = ((op, state, Shape(batch=B, spec_len=T, layers=layers,
+                                state_dtype=STATE_DTYPES[state], **variant))
+              for op in ops for T in spec_lens
+              for variant in _variants(op, T, record_lens, acceptances)
+              for state in state_dtypes for B in batches)
+    for op, state, shape in shapes:
+        calls, moved = SETUPS[op](shape, device)
+        us = graph_time_us(calls)
+        bw = moved / (us * 1e-6)
+        rows.append(dict(op=op, batch=shape.batch, spec_len=shape.spec_len,
+                         record_len=shape.record_len, acceptance=shape.acceptance,
+                         tree=shape.tree, state=state,
+                         layers=1 if op in ONE_LAYER_OPS else layers,
+                         time_us=us, bytes=moved, bandwidth_gbs=bw / 1e9,
+                         fraction_of_copy=bw / copy_bw, floor_us=moved / copy_bw * 1e6))
+        print(f"{_label(rows[-1]):32s} T={shape.spec_len} B={shape.batch:4d}  {us:9.1f} us  "
+              f"{bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%} of copy  "
+              f"(floor {moved / copy_bw * 1e6:8.1f} us)", file=sys.stderr, flush=True)
+        del calls
+        torch.cuda.empty_cache()
     return copy_bw, rows
 
 
 def _label(row):
     """An op's name in the table: with its schedule and acceptance where they vary."""
     label = row["op"]
+    if row.get("state", "float32") != "float32":
+        label += f", {row['state']} state"
     if row.get("tree") is not None:
         label += ", chain as a tree" if row["tree"] == "chain" else f", {row['tree']} tree"
     if row.get("record_len") is not None:
@@ -561,19 +569,21 @@ def markdown_table(runs):
 
 
 def _record_memory_lines(runs):
-    """Per request and layer, for each (T, R) of a deferred row: the records'
-    bytes next to one state's and to the T states that speculative decoding
-    without records keeps (at the benchmark's Shape)."""
+    """Per request and layer, for each (T, R, state dtype) of a deferred row:
+    the records' bytes next to one state's and to the T states that
+    speculative decoding without records keeps (at the benchmark's Shape)."""
     lines = []
-    shape = Shape(0, 0)
     for run in runs:
-        for T, R in dict.fromkeys((row["spec_len"], row["record_len"]) for row in run["rows"]
-                                  if row.get("record_len") is not None):
+        for T, R, dtype in dict.fromkeys(
+                (row["spec_len"], row["record_len"], row.get("state", "float32"))
+                for row in run["rows"] if row.get("record_len") is not None):
+            shape = Shape(0, 0, state_dtype=STATE_DTYPES[dtype])
             records = R * record_bytes(shape)
             state = _state_block_bytes(shape)
-            lines.append(f"- T = {T}, R = {R}: records {records / 1024:.0f} KiB per request and "
-                         f"layer, {records / state:.2f}x one state ({state / 1024:.0f} KiB); "
-                         f"T full states: {T}x")
+            kind = "" if dtype == "float32" else f" ({dtype} state)"
+            lines.append(f"- T = {T}, R = {R}{kind}: records {records / 1024:.0f} KiB per "
+                         f"request and layer, {records / state:.2f}x one state "
+                         f"({state / 1024:.0f} KiB); T full states: {T}x")
     return lines
 
 
@@ -611,6 +621,15 @@ def _probability_list(text):
     return values
 
 
+def _state_dtype_list(text):
+    names = text.split(",")
+    unknown = [name for name in names if name not in STATE_DTYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown state dtypes {unknown}; choose from "
+                                         f"{', '.join(STATE_DTYPES)}")
+    return names
+
+
 def _op_list(text):
     ops = text.split(",")
     unknown = [op for op in ops if op not in SETUPS]
@@ -621,7 +640,7 @@ def _op_list(text):
 
 # The long-format table of saved runs: a row per op and shape of a run.
 SAVED_COLUMNS = ("run", "gpu", "torch", "triton", "copy_gbs", "commit", "date", "op",
-                 "schedule", "tree", "T", "B", "R", "a", "layers", "time_us", "bytes",
+                 "schedule", "tree", "state", "T", "B", "R", "a", "layers", "time_us", "bytes",
                  "fraction_of_copy")
 
 
@@ -640,7 +659,8 @@ def save_run(path, name, meta, rows):
                 copy_gbs=repr(meta["copy_bandwidth_gbs"]), commit=meta["commit"],
                 date=meta["date"], op=row["op"],
                 schedule="immediate" if row.get("record_len") is None else "deferred",
-                tree=row.get("tree") or "", T=row["spec_len"], B=row["batch"],
+                tree=row.get("tree") or "", state=row.get("state", "float32"),
+                T=row["spec_len"], B=row["batch"],
                 R="" if row.get("record_len") is None else row["record_len"],
                 a=repr(row.get("acceptance", 1.0)), layers=row["layers"],
                 time_us=repr(row["time_us"]), bytes=repr(row["bytes"]),
@@ -663,7 +683,8 @@ def load_runs(path, names=None):
                 copy_bandwidth_gbs=float(line["copy_gbs"]), commit=line["commit"],
                 date=line["date"]), rows=[]))
             run["rows"].append(dict(
-                op=line["op"], tree=line["tree"] or None, spec_len=int(line["T"]),
+                op=line["op"], tree=line["tree"] or None, state=line["state"],
+                spec_len=int(line["T"]),
                 batch=int(line["B"]), record_len=int(line["R"]) if line["R"] else None,
                 acceptance=float(line["a"]), layers=int(line["layers"]),
                 time_us=float(line["time_us"]), bytes=float(line["bytes"]),
@@ -717,6 +738,9 @@ def main(argv=None):
                         help="comma-separated probabilities that each draft token is accepted, "
                              "for verify_commit, step and step_compiled (default: 1, every "
                              "token)")
+    parser.add_argument("--state-dtypes", type=_state_dtype_list, default=["float32"],
+                        help="comma-separated dtypes of the recurrent state: float32, "
+                             "bfloat16 (default: float32)")
     parser.add_argument("--layers", type=positive_int, default=16,
                         help="layers for the ops that run every layer (commit, commit_align, "
                              "verify_commit, step, step_compiled) (default: %(default)s)")
@@ -752,7 +776,7 @@ def main(argv=None):
     device = torch.device("cuda")
     torch.manual_seed(0)
     copy_bw, rows = run(opts.ops, opts.batches, opts.spec_lens, opts.layers, device,
-                        opts.record_lens, opts.acceptance)
+                        opts.record_lens, opts.acceptance, opts.state_dtypes)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, copy_bandwidth_gbs=copy_bw / 1e9,
                 commit=_commit(), date=time.strftime("%Y-%m-%d"))

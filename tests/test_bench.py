@@ -53,12 +53,14 @@ CASES = ([(op, None) for op in sorted(bench.SETUPS) if op not in bench.TREE_OPS]
 
 
 @pytest.mark.parametrize("op, tree", CASES)
-def test_setup_runs_and_counts_the_bytes_it_moves(op, tree):
-    calls, moved = bench.SETUPS[op](dataclasses.replace(SHAPE, tree=tree), "cpu")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_setup_runs_and_counts_the_bytes_it_moves(op, tree, state_dtype):
+    shape = dataclasses.replace(SHAPE, tree=tree, state_dtype=state_dtype)
+    calls, moved = bench.SETUPS[op](shape, "cpu")
     assert len(calls) > 1, "the calls must rotate over index sets"
     calls[0]()
     calls[-1]()
-    assert moved == expected_bytes(dataclasses.replace(SHAPE, tree=tree), op)
+    assert moved == expected_bytes(shape, op)
 
 
 @pytest.mark.parametrize("op", sorted(bench.SETUPS))
@@ -194,6 +196,7 @@ def test_every_replay_folds_each_block_once(spec_len, record_len, monkeypatch):
     (["--layers", "0"], "--layers"),
     (["--acceptance", "1.5"], "--acceptance"),
     (["--record-lens", "0"], "--record-lens"),
+    (["--state-dtypes", "float32,float16"], "--state-dtypes"),
 ])
 def test_command_line_rejects_bad_values_naming_the_argument(argv, argument, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -246,13 +249,14 @@ def test_table_rejects_a_file_that_is_not_a_table_of_runs(tmp_path, capsys):
 
 def test_saved_runs_round_trip(tmp_path):
     """Two runs appended to one table come back as they were saved: the
-    schedule, tree and acceptance of each row, each run's GPU, versions,
-    commit and date."""
+    schedule, tree, state dtype and acceptance of each row, each run's GPU,
+    versions, commit and date."""
     meta = dict(META, commit="abc1234", date="2026-12-07")
     first = [dict(op="step", batch=8, spec_len=4, record_len=12, acceptance=0.7, tree=None,
-                  layers=16, time_us=123.456789, bytes=1.5e9, fraction_of_copy=0.812345),
+                  state="bfloat16", layers=16, time_us=123.456789, bytes=1.5e9,
+                  fraction_of_copy=0.812345),
              dict(op="verify_tree", batch=1, spec_len=16, record_len=None, acceptance=1.0,
-                  tree="balanced", layers=1, time_us=23.4, bytes=2244736,
+                  tree="balanced", state="float32", layers=1, time_us=23.4, bytes=2244736,
                   fraction_of_copy=0.05)]
     second = [dict(first[0], batch=64, time_us=1000.0)]
     path = tmp_path / "runs.csv"

@@ -53,7 +53,8 @@ def test_usage_names_the_module_to_run(module):
 @pytest.mark.parametrize("module, options", [
     ("kda_ops", ["--device", "--steps", "--batch", "--record-len"]),
     ("kda_ops.bench", ["--ops", "--batches", "--spec-lens", "--record-lens", "--acceptance",
-                       "--layers", "--save", "--run", "--plot", "--table", "--runs"]),
+                       "--state-dtypes", "--layers", "--save", "--run", "--plot", "--table",
+                       "--runs"]),
 ])
 def test_every_option_has_help(module, options):
     helps = option_help(help_output(module))
