@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of the kda_ops kernels on sm_90, offline.
 
     python tools/kernel_resources.py [--spec-lens 2,4,8] [--batch 128] [--record-len R]
-        [--verify-form token_loop|closed_form|tensor_cores|separate_terms]
+        [--verify-form token_loop|closed_form|tensor_cores|separate_terms] [--tree]
         [--ttgir DIR] [--sass]
 
 Compiles the state kernels and conv_update for an H100/H200 target without a
@@ -46,7 +46,8 @@ UNIT_STRIDES = {"stride_q_dim", "stride_k_dim", "stride_v_dim", "stride_g_dim", 
 ACTIVATION_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "key_gate_ptr", "out_ptr",
                        "x_ptr", "conv_ptr", "weight_ptr", "bias_ptr"}
 INDEX_POINTERS = {"query_start_ptr", "state_indices_ptr", "accepted_ptr", "request_ptr",
-                  "block_table_ptr", "computed_ptr", "pending_ptr", "fold_plan_ptr"}
+                  "block_table_ptr", "computed_ptr", "pending_ptr", "fold_plan_ptr",
+                  "parent_ptr", "path_ptr"}
 
 
 def arg_type(name):
@@ -137,6 +138,9 @@ def main(argv=None):
                         help="verify's form instead of the policy's for --batch")
     parser.add_argument("--record-len", type=int, default=None,
                         help="the deferred schedule's kernels, with records of R > T positions")
+    parser.add_argument("--tree", action="store_true",
+                        help="the kernels of tree windows (verify, conv_update) and of their "
+                             "accepted paths (commit)")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
     parser.add_argument("--sass", action="store_true",
                         help="also SASS instructions per warp and loop body sizes")
@@ -149,17 +153,19 @@ def main(argv=None):
     with dispatch.kernel_choices(verify_form=args.verify_form):
         for T in (int(t) for t in args.spec_lens.split(",")):
             R, deferred = args.record_len, args.record_len is not None
-            config = dispatch.verify_config(K, V, args.batch * H, T, deferred)
-            cases = dict(verify_kernels.verify_launches(config, K, V, T, True, pdl, R, deferred))
+            config = dispatch.verify_config(K, V, args.batch * H, T, deferred, args.tree)
+            cases = dict(verify_kernels.verify_launches(config, K, V, T, True, pdl, R, deferred,
+                                                        args.tree))
             for name, align in (("commit_state", False), ("commit_align", True)):
                 cases[name] = commit_kernels.commit_state_launch(K, V, H, T, True, False, align,
-                                                                 pdl, R, deferred)
+                                                                 pdl, R, deferred,
+                                                                 tree=args.tree)
             if deferred:
                 cases["commit_listed"] = commit_kernels.commit_state_launch(
                     K, V, H, T, True, False, False, pdl, R, deferred, listed=True)
                 cases["fold_plan"] = commit_kernels.fold_plan_launch(T, R, False, False, pdl)
             cases["conv_update"] = conv_kernels.conv_update_launch(H * (2 * K + V), 4, T, True,
-                                                                   True, pdl)
+                                                                   True, pdl, args.tree)
             for name, (kernel, constexprs, warps) in cases.items():
                 ttgir = os.path.join(args.ttgir, f"{name}_T{T}.ttgir") if args.ttgir else None
                 report = compile_report(kernel, constexprs, warps, ttgir, args.sass)

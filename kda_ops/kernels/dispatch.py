@@ -36,8 +36,8 @@ TENSOR_CORES_MIN_KEYS = 16
 TENSOR_CORES_UP_TO = 8
 # ... or trees of at most 16 nodes: trees have no token loop to fall back on.
 TREE_TENSOR_CORES_UP_TO = 16
-# Trees past 8 nodes skip the two-kernel form: at 16 it ran at 13-14% of copy from B = 32,
-# the one-kernel form at 26% at B = 8 (H100).
+# Trees past 8 nodes skip the two-kernel form: at 16 its one-warp window terms spill 6 KB
+# (ptxas) and it ran at 13-14% of copy from B = 32, the one-kernel form at 26% at B = 8 (H100).
 TREE_SEPARATE_TERMS_UP_TO = 8
 # One-kernel tensor cores for T = 5..8 from this many pairs (27-29% faster than the loop at T = 8).
 TENSOR_CORES_FROM_PAIRS = 256
