@@ -257,18 +257,19 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         check_tensor("pending", pending, shape=(num_blocks,), dtypes=INDEX_DTYPES, device=device)
     window_len = _check_window_len(window_len, pending, spec_len)
     check_lower_bound(lower_bound)
-    _check_parent(parent, num_tokens, device, pending)
+    _check_tree_argument("parent", parent, (num_tokens,), device, pending, "a tree window")
     return VerifyDims(num_tokens, num_heads, key_dim, value_dim, num_blocks, spec_len, batch,
                       window_len, origin is not None)
 
 
-def _check_parent(parent, num_tokens, device, pending=None):
-    """A tree's parents, packed like the tokens (docs/semantics.md#13-tree-drafts)."""
-    if parent is None:
+def _check_tree_argument(name, t, shape, device, pending, what):
+    """`parent` or `accepted_path` (docs/semantics.md#13-tree-drafts): index
+    tensors of the given shape, refused with the deferred schedule."""
+    if t is None:
         return
-    check_tensor("parent", parent, shape=(num_tokens,), dtypes=INDEX_DTYPES, device=device)
+    check_tensor(name, t, shape=shape, dtypes=INDEX_DTYPES, device=device)
     if pending is not None:
-        fail("parent", "(a tree window) runs the immediate schedule: give no `pending` with it "
+        fail(name, f"({what}) runs the immediate schedule: give no `pending` with it "
              "(docs/semantics.md#13-tree-drafts)")
 
 
@@ -407,13 +408,9 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
                   f"(viewed [N, D, W-1+T-1]), got shape {_shape(conv_state)}")
     plan = check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                       request_indices, block_table, num_computed_tokens, block_size, device)
-    if accepted_path is not None:
-        check_tensor("accepted_path", accepted_path,
-                     shape=(num_accepted_tokens.shape[0], spec_len), dtypes=INDEX_DTYPES,
-                     device=device)
-        if pending is not None:
-            fail("accepted_path", "(a tree's commit) runs the immediate schedule: give no "
-                 "`pending` with it (docs/semantics.md#13-tree-drafts)")
+    _check_tree_argument("accepted_path", accepted_path,
+                         (num_accepted_tokens.shape[0], spec_len), device, pending,
+                         "a tree's commit")
     dims = CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, spec_len,
                       conv_dim, conv_history, origin is not None)
     return dims, plan
@@ -471,7 +468,7 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
     batch = _request_metadata(query_start_loc, state_indices, device)
     check_tensor("out", out, shape=_shape(x), dtypes=dtypes, device=device, written=True,
                  inner_dims=1, dtype_hint=hint)
-    _check_parent(parent, num_tokens, device)
+    _check_tree_argument("parent", parent, (num_tokens,), device, None, "a tree window")
     return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch,
                     origin is not None)
 

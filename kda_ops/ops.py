@@ -103,12 +103,9 @@ def verify(
                         query_start_loc, state_indices, lower_bound, out, pending, spec_len,
                         parent)
     scale = dims.key_dim ** -0.5 if scale is None else scale
-    args = (q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate, query_start_loc,
-            state_indices, lower_bound, scale, out, dims, pending, dims.window_len)
-    if runs_triton(q, dims):
-        launch_verify(*args, parent=parent)
-    else:
-        torch_impl.verify(*args, parent=parent)
+    impl = launch_verify if runs_triton(q, dims) else torch_impl.verify
+    impl(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate, query_start_loc,
+         state_indices, lower_bound, scale, out, dims, pending, dims.window_len, parent)
 
 
 @opaque_when_functionalized
@@ -185,11 +182,9 @@ def conv_update(
     # allocates it when not given.
     dims = check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
                              activation, out, parent)
-    args = (x, conv_state, weight, bias, query_start_loc, state_indices, activation, out, dims)
-    if runs_triton(x, dims):
-        launch_conv_update(*args, parent=parent)
-    else:
-        torch_impl.conv_update(*args, parent=parent)
+    impl = launch_conv_update if runs_triton(x, dims) else torch_impl.conv_update
+    impl(x, conv_state, weight, bias, query_start_loc, state_indices, activation, out, dims,
+         parent)
 
 
 @triton_op("kda_ops::aligned_state_indices", mutates_args=())

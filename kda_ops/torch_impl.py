@@ -121,6 +121,20 @@ def _tree_window(S, kn, qn, log_decay, values, gain, live, parents):
     return corrections, list(outputs.unbind(2))
 
 
+def _chain_window(S, kn, qn, decay, values, gain, live, spec_len):
+    """The first `spec_len` tokens of each window from S `[B, H, V, K]`, token
+    by token; returns (corrections, outputs), lists over t of [B, H, V]."""
+    corrections, outputs = [], []
+    for t in range(spec_len):
+        decayed = S * decay[:, t, :, None, :]
+        u = (values[:, t] - torch.einsum("bhvk,bhk->bhv", decayed, kn[:, t])) * gain[:, t, :, None]
+        updated = decayed + u[..., None] * kn[:, t, :, None, :]
+        S = torch.where(live[:, t, None, None, None], updated, S)
+        corrections.append(u)
+        outputs.append(torch.einsum("bhvk,bhk->bhv", S, qn[:, t]))
+    return corrections, outputs
+
+
 def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
            query_start_loc, state_indices, lower_bound, scale, out, dims, pending=None,
            spec_len=None, parent=None):
@@ -162,17 +176,11 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     old_correction, old_key_gate = correction[safe_block], key_gate[safe_block]
     if pending is not None:
         S, _ = _fold_records(S, old_correction, old_key_gate, A_log, dt_bias, lower_bound, first)
-    corrections, outputs = [], []
     if parent is not None:  # a tree: the immediate schedule, T = R
         corrections, outputs = _tree_window(S, kn, qn, log_decay, values, gain, live,
                                             _window_parents(parent, token, positions))
-    for t in range(0 if parent is not None else spec_len):
-        decayed = S * decay[:, t, :, None, :]
-        u = (values[:, t] - torch.einsum("bhvk,bhk->bhv", decayed, kn[:, t])) * gain[:, t, :, None]
-        updated = decayed + u[..., None] * kn[:, t, :, None, :]
-        S = torch.where(live[:, t, None, None, None], updated, S)
-        corrections.append(u)
-        outputs.append(torch.einsum("bhvk,bhk->bhv", S, qn[:, t]))
+    else:
+        corrections, outputs = _chain_window(S, kn, qn, decay, values, gain, live, spec_len)
     # Positions past T are never live: nothing of theirs is recorded or output.
     corrections += [torch.zeros_like(corrections[0])] * (capacity - spec_len)
     outputs += [torch.zeros_like(outputs[0])] * (capacity - spec_len)

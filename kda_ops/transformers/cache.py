@@ -104,6 +104,7 @@ class KDACache(Cache):
         self._spec_len = spec_len
         self._state_dtype = state_dtype
         self._buffers: Optional[dict] = None
+        self._window_starts: dict = {}  # (batch, length, device) -> query_start_loc
         self._recording = None  # activate_past_recording's arguments, once called
         self._armed = False  # the next forward may restart the sequence
         self._clear_sequence()
@@ -195,8 +196,13 @@ class KDACache(Cache):
         b["key_gate"] = b["key_gate"].new_zeros(L, N, H, capacity, 2 * K)
 
     def _windows(self, batch: int, length: int, device) -> Tensor:
-        """query_start_loc of `batch` windows of `length` tokens each."""
-        return torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)
+        """query_start_loc of `batch` windows of `length` tokens each, made once
+        per shape: every KDA layer of a forward takes the same."""
+        key = (batch, length, device)
+        if key not in self._window_starts:
+            self._window_starts[key] = torch.arange(0, (batch + 1) * length, length,
+                                                    dtype=torch.int32, device=device)
+        return self._window_starts[key]
 
     def _gate_parameters(self, slot: Optional[int] = None):
         """(A_log [H], dt_bias [H*K]) of one KDA layer, or stacked over all."""
