@@ -132,6 +132,34 @@ def test_tree_verify_in_every_kernel_form(device, form, link, T):
     assert_rel_close(a["correction"][0].cpu(), expected_corr, name="correction")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["closed_form", "tensor_cores", "separate_terms"])
+def test_out_of_range_parents_start_nodes_from_the_checkpoint(device, form):
+    """A parent outside 0 .. t-1 (-1 past node 0, t itself, past the window)
+    makes node t a root: its output, record and convolution start from the
+    checkpoint and the history (docs/semantics.md#13-tree-drafts)."""
+    T = 8
+    a, _ = problem(device, seed=21, T=T, lens=(8, 6, 5), indices=(1, 2, 3), K=16, V=40)
+    a["parent"] = torch.tensor([-1, 0, -1, 2, 3, 5, 1, 7] + [-1, -1, 1, -1, 9, 3]
+                               + [-1, 0, 0, -1, 3], dtype=torch.int32, device=device)
+    with kernel_choices(verify_form=form):
+        out = verify_layer(a, 0, lower_bound=-5.0)
+    expected_out, expected_corr, _ = naive.verify(
+        *cpu(a, *VERIFY), a["A_log"][0].cpu(), a["dt_bias"][0].cpu(), a["state"][0].cpu(),
+        a["correction"][0].cpu(), a["key_gate"][0].cpu(), a["query_start_loc"].cpu(),
+        a["state_indices"].cpu(), lower_bound=-5.0, parent=a["parent"].cpu())
+    assert_rel_close(out.cpu(), expected_out, name="out")
+    assert_rel_close(a["correction"][0].cpu(), expected_corr, name="correction")
+    conv_state = a["conv_state"][0]
+    expected_conv, expected_history = naive.conv_update(
+        a["x"].cpu(), conv_state.cpu(), a["weight"].cpu(), a["bias"].cpu(),
+        a["query_start_loc"].cpu(), a["state_indices"].cpu(), parent=a["parent"].cpu())
+    conv_out = kda_ops.conv_update(a["x"], conv_state, a["weight"], a["bias"],
+                                   a["query_start_loc"], a["state_indices"], parent=a["parent"])
+    assert_rel_close(conv_out.cpu(), expected_conv, name="conv out")
+    assert torch.equal(conv_state.cpu(), expected_history)
+
+
 def test_trees_take_the_closed_forms_only():
     """No token loop for trees (it carries one chain's state): the closed form
     where a chain would loop, the tensor cores up to 16 nodes (in two kernels

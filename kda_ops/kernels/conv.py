@@ -82,8 +82,11 @@ def _conv_update_kernel(
                                            mask=live_range(offs_d, dim, node < 0), other=0.0)
                     y += taps[WIDTH - 1 - back] * tl.where(node >= 0, from_window.to(tl.float32),
                                                            from_history.to(tl.float32))
+                    on_window = node >= 0
                     node = tree_parents(parent_ptr, stride_parent, bos, node, processed)
-                    col = tl.where(node >= 0, HISTORY + node, col - 1)
+                    # Past a root the taps read the history backwards from its last column.
+                    col = tl.where(node >= 0, HISTORY + node,
+                                   tl.where(on_window, HISTORY - 1, col - 1))
             else:
                 for j in tl.static_range(WIDTH):
                     y += taps[j] * seq[t + j].to(tl.float32)
