@@ -279,6 +279,17 @@ def op_problems(device, seed=0):
                                        dict(x=rand(n, D), conv_state=rand(N, D, cols),
                                             weight=rand(D, W), bias=None, query_start_loc=qsl,
                                             state_indices=si, activation=None, out=rand(n, D)))
+    # conv_verify: x holds q | k | v of H heads; the engine's conv layout.
+    conv_verify = dict(x=rand(n, H * D), conv_state=rand(N, cols, H * D).transpose(-1, -2),
+                       conv_weight=rand(H * D, W), conv_bias=rand(H * D), activation="silu",
+                       **{name: t for name, t in verify_args.items() if name not in "qkv"})
+    problems["conv_verify"] = (torch.ops.kda_ops.conv_verify.default, conv_verify)
+    problems["conv_verify_pending"] = (torch.ops.kda_ops.conv_verify.default, dict(
+        conv_verify, conv_bias=None, activation=None, lower_bound=-5.0,
+        correction=rand(N, H, R, V), key_gate=rand(N, H, R, 2 * K),
+        pending=ints([0, 2, 1, 3, 0, 2]), spec_len=T))
+    problems["conv_verify_tree"] = (torch.ops.kda_ops.conv_verify.default, dict(
+        conv_verify, parent=ints([-1, 0, -1, 0, 0, -1, -1, 0, 1])))
     problems["aligned_state_indices"] = (
         torch.ops.kda_ops.aligned_state_indices.default,
         dict(block_table=ints([[1, 2, 3], [4, 5, 6]]), seq_lens=ints([9, 1]), block_size=4,

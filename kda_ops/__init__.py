@@ -8,12 +8,12 @@ host-side batch planner for engines: `kda_ops.planner`.
 
 __version__ = "0.1.0"
 
-from .api import (CommitPlan, aligned_state_indices, commit, commit_plan, conv_update, flush,
-                  stage_spec_decode_metadata, verify)
+from .api import (CommitPlan, aligned_state_indices, commit, commit_plan, conv_update,
+                  conv_verify, flush, stage_spec_decode_metadata, verify)
 from .constants import NULL_BLOCK
 from .value_checks import value_checks
 from . import models, naive, planner  # noqa: E402  (modules built on the API above)
 
 __all__ = ["verify", "commit", "flush", "commit_plan", "CommitPlan", "conv_update",
-           "aligned_state_indices", "stage_spec_decode_metadata", "value_checks", "NULL_BLOCK",
+           "conv_verify", "aligned_state_indices", "stage_spec_decode_metadata", "value_checks", "NULL_BLOCK",
            "models", "naive", "planner", "__version__"]

@@ -466,11 +466,52 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
         check_tensor("bias", bias, shape=(dim,), dtypes=dtypes, device=device, dtype_hint=hint)
     check_activation(activation)
     batch = _request_metadata(query_start_loc, state_indices, device)
-    check_tensor("out", out, shape=_shape(x), dtypes=dtypes, device=device, written=True,
-                 inner_dims=1, dtype_hint=hint)
+    if out is not None:  # conv_verify keeps the outputs to itself
+        check_tensor("out", out, shape=_shape(x), dtypes=dtypes, device=device, written=True,
+                     inner_dims=1, dtype_hint=hint)
     _check_tree_argument("parent", parent, (num_tokens,), device, None, "a tree window")
     return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch,
                     origin is not None)
+
+
+@dataclass(frozen=True)
+class ConvVerifyDims:
+    conv: ConvDims
+    verify: VerifyDims
+
+    @property
+    def float64(self) -> bool:
+        return self.verify.float64
+
+
+def conv_verify_split(x, num_heads, key_dim, value_dim):
+    """The q, k and v views of `[tokens, H (2K + V)]` convolution outputs."""
+    return tuple(part.unflatten(-1, (num_heads, -1)) for part in
+                 x.split([num_heads * key_dim, num_heads * key_dim, num_heads * value_dim], -1))
+
+
+def check_conv_verify(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_bias, state,
+                      correction, key_gate, query_start_loc, state_indices, activation,
+                      lower_bound, out, pending=None, window_len=None,
+                      parent=None) -> ConvVerifyDims:
+    conv = check_conv_update(x, conv_state, conv_weight, conv_bias, query_start_loc,
+                             state_indices, activation, None, parent)
+    check_tensor("g", g, ndim=3, dtypes=(x.dtype,), device=x.device, inner_dims=2)
+    check_tensor("state", state, ndim=4)
+    num_heads, key_dim, value_dim = g.shape[1], g.shape[2], state.shape[2]
+    if conv.dim != num_heads * (2 * key_dim + value_dim):
+        fail("x", f"must hold q | k | v, H (2K + V) = {num_heads * (2 * key_dim + value_dim)} "
+             f"channels for H = {num_heads}, K = {key_dim} (g) and V = {value_dim} (state), got "
+             f"shape {_shape(x)}")
+    q, k, v = conv_verify_split(x, num_heads, key_dim, value_dim)
+    verify = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
+                          query_start_loc, state_indices, lower_bound, out, pending, window_len,
+                          parent)
+    if conv.spec_len != verify.window_len:
+        fail("conv_state", f"must hold windows of verify's T = {verify.window_len} tokens, "
+             f"W-1+T-1 = {conv.width - 1 + verify.window_len - 1} columns for W = {conv.width}, "
+             f"got shape {_shape(conv_state)} (T = {conv.spec_len})")
+    return ConvVerifyDims(conv, verify)
 
 
 def check_flush(state_indices, state, correction, key_gate, pending, A_log, dt_bias,

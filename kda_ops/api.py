@@ -17,7 +17,7 @@ from ._validation import (check_activation, check_int, check_int_or_tensor, chec
                           check_scale)
 
 __all__ = ["verify", "commit", "flush", "commit_plan", "CommitPlan", "conv_update",
-           "aligned_state_indices", "stage_spec_decode_metadata"]
+           "conv_verify", "aligned_state_indices", "stage_spec_decode_metadata"]
 
 
 def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor,
@@ -275,6 +275,56 @@ def conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Te
     if checked is not None:
         value_checks.conv_update_done(checked, out)
     return _ops.inference_only("conv_update", out, x, conv_state, weight, bias)
+
+
+def conv_verify(x: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
+                g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor, state: Tensor,
+                correction: Tensor, key_gate: Tensor, query_start_loc: Tensor,
+                state_indices: Tensor, *, activation: Optional[str] = "silu",
+                lower_bound: Optional[float] = None, scale: Optional[float] = None,
+                out: Optional[Tensor] = None, pending: Optional[Tensor] = None,
+                spec_len: Optional[int] = None, parent: Optional[Tensor] = None) -> Tensor:
+    """`conv_update` of a layer's q | k | v input, then `verify` of its output,
+    in one op (docs/semantics.md#14-conv_verify): the same results and writes
+    as the two calls, with the convolution's output (in x's dtype) kept to the
+    op, and at small batches one kernel launch instead of two.
+
+    Args:
+        x: `[num_tokens, D]`, `D = H (2K + V)`: the convolution's input, whose
+            output splits into q (`H K` channels, head-major), k (`H K`) and
+            v (`H V`).
+        conv_state, conv_weight, conv_bias, activation: as conv_update's
+            `conv_state`, `weight`, `bias` and `activation`; the conv state's
+            columns must hold windows of verify's T (`W-1+T-1`).
+        g, beta, A_log, dt_bias, state, correction, key_gate, query_start_loc,
+        state_indices, lower_bound, scale, out, pending, spec_len, parent: as
+            in `verify` (`g` gives H and K, `state` gives V).
+
+    Returns:
+        `out`, `[num_tokens, H, V]` in x's dtype.
+    """
+    check_activation(activation)
+    check_lower_bound(lower_bound)
+    check_scale(scale)
+    if spec_len is not None:
+        check_int("spec_len", spec_len)
+    if out is None:
+        out = x.new_empty((x.shape[0], *g.shape[1:-1], state.shape[-2]))
+    checked = None
+    if value_checks.should_check(x, query_start_loc, state_indices):
+        checked = value_checks.conv_verify_call(
+            x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_bias, state, correction,
+            key_gate, query_start_loc, state_indices, activation, lower_bound, scale, out,
+            pending, spec_len, parent)
+    # Positional, as in `verify`: a strided `out=` keyword makes Dynamo graph-break.
+    tree = () if parent is None else (parent,)
+    _ops.conv_verify(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_bias, state,
+                     correction, key_gate, query_start_loc, state_indices, activation,
+                     lower_bound, scale, out, pending, spec_len, *tree)
+    if checked is not None:
+        value_checks.verify_done(checked, out, correction)
+    return _ops.inference_only("conv_verify", out, x, conv_state, conv_weight, conv_bias, g,
+                               beta, A_log, dt_bias, state)
 
 
 def aligned_state_indices(block_table: Tensor, seq_lens: Tensor, block_size: int,

@@ -1,7 +1,7 @@
 """Benchmark: every op through one runner, against the copy bandwidth.
 
     python -m kda_ops.bench [--ops verify,commit,commit_align,conv_update,verify_commit,step,
-                                   step_compiled,verify_tree,commit_tree]
+                                   step_compiled,step_unfused,verify_tree,commit_tree]
                             [--batches 1,8,32,...] [--spec-lens 2,4,8]
                             [--record-lens 12,16] [--acceptance 0.7,1]
                             [--state-dtypes float32,bfloat16]
@@ -10,12 +10,13 @@
 
 Ops: verify and conv_update (one layer), commit (all layers; commit_align: in
 align mode, every window crossing a block boundary), verify_commit (every
-layer's verify, then the commit), step (every layer's conv_update + verify, then
-the commit: `kda_ops.models.KDADecodeStep`), step_compiled (the same step
-through `torch.compile(fullgraph=True)`), verify_tree and commit_tree (verify
+layer's verify, then the commit), step (every layer's conv_verify, then the
+commit: `kda_ops.models.KDADecodeStep`), step_compiled (the same step through
+`torch.compile(fullgraph=True)`), step_unfused (every layer's conv_update and
+verify as two calls, then the commit), verify_tree and commit_tree (verify
 of tree windows, commit of an accepted path: docs/semantics.md#13-tree-drafts,
 each window a balanced binary tree of T nodes, accepting its deepest path, and
-a chain given as a tree, accepting all T). verify_commit, step and step_compiled
+a chain given as a tree, accepting all T). verify_commit and the step ops
 also run the deferred
 schedule with records of each R in `--record-lens`, and with each draft token
 accepted with each probability in `--acceptance`; their bytes follow the
@@ -182,6 +183,18 @@ def conv_update_bytes(shape):
     return (2 * shape.tokens * D + B * D * (W - 1) + B * D * (W - 2 + shape.spec_len)) * act
 
 
+def conv_verify_bytes(shape):
+    """One layer's conv_verify: conv_update's and verify's bytes but for the
+    convolution's outputs, which verify reads in the same op."""
+    return (conv_update_bytes(shape) + verify_bytes(shape)
+            - 2 * shape.tokens * shape.conv_dim * shape.act_dtype.itemsize)
+
+
+def separate_conv_verify_bytes(shape):
+    """One layer's conv_update, then verify."""
+    return conv_update_bytes(shape) + verify_bytes(shape)
+
+
 def commit_bytes(shape, accepted):
     """Every layer's commit of `accepted` tokens per request: state read and
     written, records read, conv history read and written."""
@@ -206,12 +219,11 @@ def decode_bytes(shape):
     return shape.layers * verify_bytes(shape) + commit_bytes(shape, shape.spec_len)
 
 
-def step_bytes(shape, accepted=None):
-    """Every layer's conv_update and verify, then the commit of `accepted`
+def step_bytes(shape, accepted=None, window_bytes=conv_verify_bytes):
+    """Every layer's window (`window_bytes`), then the commit of `accepted`
     tokens per request (default T)."""
     accepted = shape.spec_len if accepted is None else accepted
-    return (shape.layers * (conv_update_bytes(shape) + verify_bytes(shape))
-            + commit_bytes(shape, accepted))
+    return shape.layers * window_bytes(shape) + commit_bytes(shape, accepted)
 
 
 def record_bytes(shape):
@@ -250,9 +262,9 @@ def accepted_draws(shape, calls, seed=0):
     return [[one() for _ in range(shape.batch)] for _ in range(calls)]
 
 
-def schedule_bytes(shape, draws, sets, pending, with_conv):
-    """Bytes per call of every layer's verify (and conv_update: `with_conv`) and
-    the commit of `draws[j]` tokens, call j using index set j % sets. The deferred
+def schedule_bytes(shape, draws, sets, pending, window_bytes):
+    """Bytes per call of every layer's window (`window_bytes`: verify_bytes,
+    conv_verify_bytes, separate_conv_verify_bytes) and the commit of `draws[j]` tokens, call j using index set j % sets. The deferred
     schedule's count follows the pending records from `pending` (per set and
     request) over 16 rounds of the calls after 16 uncounted ones, as the timed
     replays follow the warm-up's: verify reads the pending records, and
@@ -260,7 +272,7 @@ def schedule_bytes(shape, draws, sets, pending, with_conv):
     its records); the conv history moves at every commit."""
     T, R = shape.spec_len, shape.records
     one = _one_request(shape)
-    window = verify_bytes(one) + (conv_update_bytes(one) if with_conv else 0)
+    window = window_bytes(one)
     history = 2 * _conv_history_bytes(shape)
     state, record = _state_block_bytes(shape), record_bytes(shape)
     if shape.record_len is None:
@@ -382,15 +394,15 @@ def setup_verify_commit(shape, device):
                            lower_bound=-5.0, out=out, **deferred)
         kda_ops.commit(accepted, idx, starts, lower_bound=-5.0, **bufs)
 
-    return _schedule_setup(shape, sets, bufs.get("pending"), device, call, with_conv=False)
+    return _schedule_setup(shape, sets, bufs.get("pending"), device, call, verify_bytes)
 
 
-def _schedule_setup(shape, sets, pending, device, step, with_conv):
+def _schedule_setup(shape, sets, pending, device, step, window_bytes):
     """(calls, bytes per call) of a decode-step benchmark: see _step_calls and
     schedule_bytes."""
     calls, draws, index_sets = _step_calls(shape, sets, device, step)
     counts = None if pending is None else [pending[0, idx.long()].tolist() for idx in index_sets]
-    return calls, schedule_bytes(shape, draws, sets, counts, with_conv)
+    return calls, schedule_bytes(shape, draws, sets, counts, window_bytes)
 
 
 def setup_conv_update(shape, device):
@@ -408,24 +420,26 @@ def setup_conv_update(shape, device):
     return calls, conv_update_bytes(shape)
 
 
-def setup_step(shape, device, compiled=False):
-    """16 x (conv_update + verify) + one commit, captured in one CUDA graph;
-    `compiled`: the step through torch.compile(fullgraph=True), captured alike."""
+def setup_step(shape, device, compiled=False, fuse_conv=True):
+    """16 x conv_verify + one commit, captured in one CUDA graph; `compiled`:
+    the step through torch.compile(fullgraph=True), captured alike;
+    `fuse_conv=False`: 16 x (conv_update + verify) + one commit."""
     from .models import KDADecodeStep
     sets, N = _block_pool(shape, decode_bytes(_one_request(shape)))
-    model = KDADecodeStep.for_benchmark(shape, device, num_blocks=N)
+    model = KDADecodeStep.for_benchmark(shape, device, num_blocks=N, fuse_conv=fuse_conv)
     if model.deferred:  # every layer's counts alike, as _commit_buffers draws them
         model.pending.copy_(model.pending[:1].expand_as(model.pending))
     hidden, starts, _, _ = model.example_inputs(shape.batch)
     step = torch.compile(model.step, fullgraph=True) if compiled else model.step
     return _schedule_setup(shape, sets, model.pending if model.deferred else None, device,
                            lambda idx, accepted: step(hidden, starts, idx, accepted),
-                           with_conv=True)
+                           conv_verify_bytes if fuse_conv else separate_conv_verify_bytes)
 
 
 SETUPS = {"verify": setup_verify, "commit": setup_commit, "commit_align": setup_commit_align,
           "conv_update": setup_conv_update, "verify_commit": setup_verify_commit,
           "step": setup_step, "step_compiled": functools.partial(setup_step, compiled=True),
+          "step_unfused": functools.partial(setup_step, fuse_conv=False),
           "verify_tree": setup_verify, "commit_tree": setup_commit}
 
 
@@ -458,7 +472,7 @@ TREE_SHAPES = ("chain", "balanced")
 
 # Ops that run a decode step's work (every layer, then the commit): the table
 # also gives their time over the bytes-over-bandwidth floor.
-WHOLE_STEP_OPS = ("verify_commit", "step", "step_compiled")
+WHOLE_STEP_OPS = ("verify_commit", "step", "step_compiled", "step_unfused")
 
 
 def _variants(op, T, record_lens, acceptances):
@@ -731,19 +745,18 @@ def main(argv=None):
     parser.add_argument("--spec-lens", type=_int_list, default="2,4,8",
                         help="comma-separated window lengths T (default: %(default)s)")
     parser.add_argument("--record-lens", type=_int_list, default=[],
-                        help="comma-separated record positions R > T: verify_commit, step and "
-                             "step_compiled also run the deferred schedule with each "
+                        help="comma-separated record positions R > T: verify_commit and the "
+                             "step ops also run the deferred schedule with each "
                              "(default: none)")
     parser.add_argument("--acceptance", type=_probability_list, default=[1.0],
                         help="comma-separated probabilities that each draft token is accepted, "
-                             "for verify_commit, step and step_compiled (default: 1, every "
-                             "token)")
+                             "for verify_commit and the step ops (default: 1, every token)")
     parser.add_argument("--state-dtypes", type=_state_dtype_list, default=["float32"],
                         help="comma-separated dtypes of the recurrent state: float32, "
                              "bfloat16 (default: float32)")
     parser.add_argument("--layers", type=positive_int, default=16,
                         help="layers for the ops that run every layer (commit, commit_align, "
-                             "verify_commit, step, step_compiled) (default: %(default)s)")
+                             "verify_commit, the step ops) (default: %(default)s)")
     parser.add_argument("--save", default="bench_runs.csv", metavar="CSV",
                         help="append the run's rows, with its GPU, versions, copy bandwidth, "
                              "commit and date, to this long-format table (default: "

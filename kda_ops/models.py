@@ -4,9 +4,12 @@ This is the code a model author writes on top of `kda_ops`; the compile tests,
 the end-to-end checks and the benchmark drive it. Per layer `l`:
 
     hidden --in-proj--> mixed [tokens, D], g [tokens, H, K], beta [tokens, H]
-    mixed  --kda_ops.conv_update(conv_state[l])--> q | k | v     (D = H*(2K+V))
-    q,k,v,g,beta --kda_ops.verify(state[l], correction[l], key_gate[l])--> out
+    mixed, g, beta --kda_ops.conv_verify(conv_state[l], state[l], correction[l],
+                                         key_gate[l])--> out      (D = H*(2K+V))
     hidden = hidden + out @ out-proj
+
+(conv_verify is conv_update of mixed into q | k | v, then verify of them; with
+`fuse_conv=False` the layer makes those two calls itself).
 
 and after sampling, ONE `kda_ops.commit` folds the accepted prefix into the
 checkpoints and compacts the convolution history of every layer at once (the
@@ -100,6 +103,8 @@ class KDADecodeStep(nn.Module):
             folds). R > T runs the deferred schedule: commits count accepted
             tokens as pending and fold them when the records run out of room;
             `flush` writes every pending token back.
+        fuse_conv: each layer runs `kda_ops.conv_verify` (default); False:
+            `conv_update`, then `verify`.
         seed: seeds the parameter initialisation (CPU generator, so the same
             parameters on every device).
         device: where parameters and caches live.
@@ -125,9 +130,10 @@ class KDADecodeStep(nn.Module):
                  hidden_size: Optional[int] = None, dtype: torch.dtype = torch.float32,
                  state_dtype: torch.dtype = torch.float32, conv_layout: str = "dim_first",
                  cache_layout: str = "stacked", lower_bound: Optional[float] = None,
-                 record_len: Optional[int] = None, seed: int = 0,
+                 record_len: Optional[int] = None, fuse_conv: bool = True, seed: int = 0,
                  device: torch.device | str | None = None):
         super().__init__()
+        self.fuse_conv = fuse_conv
         if conv_layout not in ("dim_first", "token_first"):
             raise ValueError(f"conv_layout must be 'dim_first' or 'token_first', got {conv_layout!r}")
         if cache_layout not in ("stacked", "per_layer"):
@@ -186,18 +192,19 @@ class KDADecodeStep(nn.Module):
 
     @classmethod
     def for_benchmark(cls, shape, device, *, num_blocks: Optional[int] = None,
-                      seed: int = 0) -> "KDADecodeStep":
+                      fuse_conv: bool = True, seed: int = 0) -> "KDADecodeStep":
         """A model without projections for a `kda_ops.bench.Shape` (batch,
         spec_len, layers, heads, key_dim, value_dim, conv_width, act_dtype,
         state_dtype, record_len): engine-like token-first conv state, lower
         bound -5, `num_blocks` state blocks (default one per request, N =
-        batch + 1), random caches."""
+        batch + 1), random caches; `fuse_conv` as in the constructor."""
         num_blocks = shape.batch + 1 if num_blocks is None else num_blocks
         model = cls(shape.layers, shape.heads, shape.key_dim, shape.spec_len, shape.conv_width,
                     num_blocks, value_dim=shape.value_dim, projections=False,
                     dtype=shape.act_dtype, state_dtype=shape.state_dtype,
                     conv_layout="token_first", lower_bound=-5.0,
-                    record_len=shape.record_len, seed=seed, device=device)
+                    record_len=shape.record_len, fuse_conv=fuse_conv, seed=seed,
+                    device=device)
         model.randomize_caches(seed)
         return model
 
@@ -334,15 +341,21 @@ class KDADecodeStep(nn.Module):
             else:
                 mixed, g, beta = hidden.split([D, H * K, H], dim=-1)
                 g = g.view(num_tokens, H, K)
-            mixed = api.conv_update(mixed, conv[layer], self.conv_weight[layer],
-                                    self.conv_bias[layer], query_start_loc, state_indices,
-                                    activation="silu")
-            q, k, v = mixed.split([H * K, H * K, H * V], dim=-1)
-            out = api.verify(
-                q.view(num_tokens, H, K), k.view(num_tokens, H, K), v.view(num_tokens, H, V),
-                g, beta, self.A_log[layer], self.dt_bias[layer], c.state[layer],
-                c.correction[layer], c.key_gate[layer], query_start_loc, state_indices,
-                lower_bound=self.lower_bound, **self._deferred(c, layer)).view(num_tokens, H * V)
+            caches = (self.A_log[layer], self.dt_bias[layer], c.state[layer],
+                      c.correction[layer], c.key_gate[layer], query_start_loc, state_indices)
+            if self.fuse_conv:
+                out = api.conv_verify(mixed, conv[layer], self.conv_weight[layer],
+                                      self.conv_bias[layer], g, beta, *caches,
+                                      lower_bound=self.lower_bound, **self._deferred(c, layer))
+            else:
+                mixed = api.conv_update(mixed, conv[layer], self.conv_weight[layer],
+                                        self.conv_bias[layer], query_start_loc, state_indices,
+                                        activation="silu")
+                q, k, v = mixed.split([H * K, H * K, H * V], dim=-1)
+                out = api.verify(q.view(num_tokens, H, K), k.view(num_tokens, H, K),
+                                 v.view(num_tokens, H, V), g, beta, *caches,
+                                 lower_bound=self.lower_bound, **self._deferred(c, layer))
+            out = out.view(num_tokens, H * V)
             if self.projections:
                 hidden = hidden + out @ self.w_out[layer]
         return hidden if self.projections else out
@@ -420,7 +433,8 @@ class KDADecodeStep(nn.Module):
                 f"conv_width={self.conv_width}, num_blocks={self.num_blocks}, "
                 f"projections={self.projections}, hidden={self.hidden_size}, dtype={self.dtype}, "
                 f"conv_layout={self.conv_layout}, cache_layout={self.cache_layout}, "
-                f"lower_bound={self.lower_bound}, record_len={self.record_len}")
+                f"lower_bound={self.lower_bound}, record_len={self.record_len}, "
+                f"fuse_conv={self.fuse_conv}")
 
 
 def cache_tensors(caches: KDACaches) -> list[Tensor]:

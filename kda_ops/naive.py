@@ -391,3 +391,23 @@ def conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
         new_state[block, :, :W - 2 + processed] = torch.cat(
             [history[:, 1:], tokens.T.to(conv_state.dtype)], dim=1)
     return result, new_state
+
+
+def conv_verify(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_bias, state,
+                correction, key_gate, query_start_loc, state_indices, activation="silu",
+                lower_bound=None, scale=None, out=None, pending=None, spec_len=None,
+                parent=None):
+    """Returns (out, conv_state, correction, key_gate) as conv_verify must
+    leave them: conv_update's outputs, rounded to x's dtype, are verify's
+    q | k | v (H K, H K and H V channels)."""
+    H, K, V = g.shape[1], g.shape[2], state.shape[2]
+    convolved, new_conv_state = conv_update(x, conv_state, conv_weight, conv_bias,
+                                            query_start_loc, state_indices, activation,
+                                            parent=parent)
+    convolved = convolved.nan_to_num().to(x.dtype)  # tokens outside every window: unread
+    q, k, v = (part.unflatten(-1, (H, -1))
+               for part in convolved.split([H * K, H * K, H * V], dim=-1))
+    result, correction, key_gate = verify(q, k, v, g, beta, A_log, dt_bias, state, correction,
+                                          key_gate, query_start_loc, state_indices,
+                                          lower_bound, scale, out, pending, spec_len, parent)
+    return result, new_conv_state, correction, key_gate

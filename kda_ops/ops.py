@@ -26,14 +26,14 @@ from torch.library import triton_op
 
 from . import torch_impl
 from ._validation import (check_aligned_state_indices, check_commit, check_conv_update,
-                          check_flush, check_plan, check_stage_spec_decode_metadata,
-                          check_verify)
+                          check_conv_verify, check_flush, check_plan,
+                          check_stage_spec_decode_metadata, check_verify)
 
 try:  # CPU tensors need no triton; use_triton refuses the tensors that do when it is missing
     from .kernels.commit import launch_commit, launch_commit_plan, launch_flush
     from .kernels.conv import launch_conv_update
     from .kernels.staging import launch_aligned_state_indices, launch_stage_spec_decode_metadata
-    from .kernels.verify import launch_verify
+    from .kernels.verify import launch_conv_verify, launch_verify
 except ImportError as error:
     if error.name is None or error.name.partition(".")[0] != "triton":
         raise
@@ -185,6 +185,27 @@ def conv_update(
     impl = launch_conv_update if runs_triton(x, dims) else torch_impl.conv_update
     impl(x, conv_state, weight, bias, query_start_loc, state_indices, activation, out, dims,
          parent)
+
+
+@opaque_when_functionalized
+@triton_op("kda_ops::conv_verify", mutates_args={"conv_state", "correction", "key_gate", "out"})
+def conv_verify(
+    x: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
+    g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor, state: Tensor,
+    correction: Tensor, key_gate: Tensor, query_start_loc: Tensor, state_indices: Tensor,
+    activation: Optional[str], lower_bound: Optional[float], scale: Optional[float],
+    out: Tensor, pending: Optional[Tensor] = None, spec_len: Optional[int] = None,
+    parent: Optional[Tensor] = None,
+) -> None:
+    # Writes into a caller-provided `out`, as verify does.
+    dims = check_conv_verify(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_bias,
+                             state, correction, key_gate, query_start_loc, state_indices,
+                             activation, lower_bound, out, pending, spec_len, parent)
+    scale = dims.verify.key_dim ** -0.5 if scale is None else scale
+    impl = launch_conv_verify if runs_triton(x, dims) else torch_impl.conv_verify
+    impl(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_bias, state, correction,
+         key_gate, query_start_loc, state_indices, activation, lower_bound, scale, out, dims,
+         pending, dims.verify.window_len, parent)
 
 
 @triton_op("kda_ops::aligned_state_indices", mutates_args=())

@@ -8,6 +8,7 @@ that must stay untouched are written back with their old values (bit-identical).
 import torch
 import torch.nn.functional as F
 
+from ._validation import conv_verify_split
 from .constants import NULL_BLOCK
 
 
@@ -538,6 +539,20 @@ def conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, act
     keep = position < processed[request]
     per_token = torch.where(keep[:, None], y[request, :, position.clamp(0, spec_len - 1)], 0.0)
     out.copy_(torch.where(in_window[:, None], per_token.to(out.dtype), out))
+
+
+def conv_verify(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_bias, state,
+                correction, key_gate, query_start_loc, state_indices, activation, lower_bound,
+                scale, out, dims, pending=None, spec_len=None, parent=None):
+    """docs/semantics.md#14-conv_verify: conv_update into a buffer like x, then
+    verify of its q | k | v split."""
+    convolved = torch.zeros_like(x)
+    conv_update(x, conv_state, conv_weight, conv_bias, query_start_loc, state_indices,
+                activation, convolved, dims.conv, parent)
+    v_dims = dims.verify
+    q, k, v = conv_verify_split(convolved, v_dims.num_heads, v_dims.key_dim, v_dims.value_dim)
+    verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate, query_start_loc,
+           state_indices, lower_bound, scale, out, v_dims, pending, spec_len, parent)
 
 
 def aligned_state_indices(block_table, seq_lens, block_size, num_state_slots):

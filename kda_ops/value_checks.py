@@ -23,8 +23,9 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from . import torch_impl
-from ._validation import (check_commit, check_conv_update, check_flush, check_plan,
-                          check_stage_spec_decode_metadata, check_verify, fail)
+from ._validation import (check_commit, check_conv_update, check_conv_verify, check_flush,
+                          check_plan, check_stage_spec_decode_metadata, check_verify,
+                          conv_verify_split, fail)
 from .constants import NULL_BLOCK
 
 ENV_VAR = "KDA_OPS_CHECK_VALUES"
@@ -366,8 +367,9 @@ def check_accepted_path(accepted_path, key_gate, request_indices, indices, lengt
 
 def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                 query_start_loc, state_indices, lower_bound, scale, out, pending, spec_len,
-                parent=None):
-    """Checks before verify; returns what `verify_done` checks after it."""
+                parent=None, op="verify"):
+    """Checks before verify (or `op`, which runs it); returns what
+    `verify_done` checks after it."""
     dims = check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                         query_start_loc, state_indices, lower_bound, out, pending,
                         spec_len, parent)  # shapes first
@@ -385,31 +387,32 @@ def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                  f"{row}'s window of {lengths[row].item()} tokens (block {block} has "
                  f"{counts[block].item()} pending)")
     tokens = _window_tokens(query_start_loc, indices, dims.num_blocks, dims.window_len)
-    check_token_values("verify", "given to", 3, tokens, q=q, k=k, v=v, g=g)
-    check_token_values("verify", "given to", 2, tokens, beta=beta)
-    check_parameter_values("verify", A_log=A_log, dt_bias=dt_bias, scale=scale)
-    check_read_caches("verify", "pending in", state, correction, key_gate, False, live)
+    check_token_values(op, "given to", 3, tokens, q=q, k=k, v=v, g=g)
+    check_token_values(op, "given to", 2, tokens, beta=beta)
+    check_parameter_values(op, A_log=A_log, dt_bias=dt_bias, scale=scale)
+    check_read_caches(op, "pending in", state, correction, key_gate, False, live)
     record_gates(key_gate, A_log, dt_bias, lower_bound)
     _parents_by_records.record(key_gate, {} if parent is None else check_parents(
         parent, query_start_loc, indices, dims.num_blocks, dims.window_len))
     windows = [(row, block, first, sum(1 for _, r in tokens if r == row))
                for row, block, first in live]
-    return tokens, windows
+    return tokens, windows, op
 
 
 def verify_done(checked, out, correction):
     """After verify: the outputs of the tokens it ran and the corrections it
     recorded are finite."""
-    tokens, windows = checked
-    check_token_values("verify", "written by", 3, tokens, out=out)
+    tokens, windows, op = checked
+    check_token_values(op, "written by", 3, tokens, out=out)
     for row, block, first, length in windows:
-        check_cache_values("verify", "written by", "correction",
+        check_cache_values(op, "written by", "correction",
                            correction[:, :, first:first + length], False, [(row, block, 0)])
 
 
 def conv_update_call(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
-                     out, parent=None):
-    """Checks before conv_update; returns what `conv_update_done` checks after it."""
+                     out, parent=None, op="conv_update"):
+    """Checks before conv_update (or `op`, which runs it); returns what
+    `conv_update_done` checks after it."""
     dims = check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices,
                              activation, out, parent)
     check_windows(query_start_loc, dims.spec_len, num_tokens=dims.num_tokens, tokens_name="x",
@@ -419,10 +422,10 @@ def conv_update_call(x, conv_state, weight, bias, query_start_loc, state_indices
     if parent is not None:
         check_parents(parent, query_start_loc, indices, dims.num_blocks, dims.spec_len)
     tokens = _window_tokens(query_start_loc, indices, dims.num_blocks, dims.spec_len)
-    check_token_values("conv_update", "given to", 2, tokens, x=x)
-    check_parameter_values("conv_update", weight=weight, bias=bias)
+    check_token_values(op, "given to", 2, tokens, x=x)
+    check_parameter_values(op, weight=weight, bias=bias)
     history = [(row, block, dims.width - 1) for row, block in _live(indices, dims.num_blocks)]
-    check_cache_values("conv_update", "given to", "conv_state", conv_state, False, history,
+    check_cache_values(op, "given to", "conv_state", conv_state, False, history,
                        dim=-1)
     _widths_by_conv_state.record(conv_state, dims.width)
     return tokens
@@ -430,6 +433,24 @@ def conv_update_call(x, conv_state, weight, bias, query_start_loc, state_indices
 
 def conv_update_done(tokens, out):
     check_token_values("conv_update", "written by", 2, tokens, out=out)
+
+
+def conv_verify_call(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_bias, state,
+                     correction, key_gate, query_start_loc, state_indices, activation,
+                     lower_bound, scale, out, pending, spec_len, parent=None):
+    """Checks before conv_verify: conv_update's on the convolution's arguments,
+    then verify's on the rest (its q, k and v: x's channels, already checked);
+    returns what `verify_done` checks after it."""
+    dims = check_conv_verify(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_bias,
+                             state, correction, key_gate, query_start_loc, state_indices,
+                             activation, lower_bound, out, pending, spec_len, parent)
+    conv_update_call(x, conv_state, conv_weight, conv_bias, query_start_loc, state_indices,
+                     activation, None, parent, op="conv_verify")
+    q, k, v = conv_verify_split(x, dims.verify.num_heads, dims.verify.key_dim,
+                                dims.verify.value_dim)
+    return verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
+                       query_start_loc, state_indices, lower_bound, scale, out, pending,
+                       spec_len, parent, op="conv_verify")
 
 
 def _check_plan_values(num_accepted_tokens, state_indices, query_start_loc, spec_len,

@@ -40,11 +40,13 @@ def expected_bytes(shape, op):
                         ((B, H, C, V), f32), ((B, H, C, 2 * K), act),      # records of C tokens
                         ((B, D, W - 1), act), ((B, D, W - 1), act))        # history read, written
     boundary = L * nbytes(((B, H, V, K), st), ((B, D, W - 1), act))       # align: boundary written
+    qkv = nbytes(((n, D), act), ((n, D), act))  # conv_verify: conv outputs kept to the op
     parents, path = nbytes(((n,), torch.int32)), nbytes(((B, T), torch.int32))
     return {"verify": verify, "conv_update": conv, "commit": commit,
             "commit_align": commit + boundary,
-            "verify_commit": L * verify + commit, "step": L * (conv + verify) + commit,
-            "step_compiled": L * (conv + verify) + commit,
+            "verify_commit": L * verify + commit, "step": L * (conv + verify - qkv) + commit,
+            "step_compiled": L * (conv + verify - qkv) + commit,
+            "step_unfused": L * (conv + verify) + commit,
             "verify_tree": verify + parents, "commit_tree": commit + path}[op]
 
 
@@ -121,10 +123,10 @@ def test_schedule_bytes_follow_the_pending_records():
     one_layer = (bench.verify_bytes(shape) + 2 * bench._conv_history_bytes(shape)
                  + 1.5 * bench.record_bytes(shape)
                  + (2 * bench._state_block_bytes(shape) + 6 * bench.record_bytes(shape)) / 2)
-    assert bench.schedule_bytes(shape, [[3]], 1, [[0]], with_conv=False) == 2 * one_layer
+    assert bench.schedule_bytes(shape, [[3]], 1, [[0]], bench.verify_bytes) == 2 * one_layer
     immediate = dataclasses.replace(shape, record_len=None)
-    assert bench.schedule_bytes(immediate, [[3]], 1, None, with_conv=True) == bench.step_bytes(
-        dataclasses.replace(shape, record_len=None))
+    assert bench.schedule_bytes(immediate, [[3]], 1, None, bench.conv_verify_bytes) == \
+        bench.step_bytes(immediate)
 
 
 @pytest.mark.parametrize("acceptance, expected", [(0.0, {1}), (1.0, {4}), (0.7, {1, 2, 3, 4})])

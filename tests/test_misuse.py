@@ -426,7 +426,7 @@ def test_backward_through_the_ops_raises_and_forward_works_with_grad(compiled):
     assert out.requires_grad
     assert torch.equal(out.detach(), expected)
     assert torch.equal(model.state, reference.state)
-    with pytest.raises(RuntimeError, match="kda_ops.verify is inference-only"):
+    with pytest.raises(RuntimeError, match="kda_ops.conv_verify is inference-only"):
         out.sum().backward()
 
 

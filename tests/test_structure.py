@@ -15,9 +15,8 @@ LAYERS = [
     {"kda_ops.api", "kda_ops.transformers.model"},
     {"kda_ops.ops", "kda_ops.value_checks"},
     {"kda_ops.torch_impl", "kda_ops.naive",
-     "kda_ops.kernels.verify", "kda_ops.kernels.commit", "kda_ops.kernels.conv",
-     "kda_ops.kernels.staging"},
-    {"kda_ops.kernels.verify_tensor_cores", "kda_ops._validation"},
+     "kda_ops.kernels.verify", "kda_ops.kernels.commit", "kda_ops.kernels.staging"},
+    {"kda_ops.kernels.verify_tensor_cores", "kda_ops.kernels.conv", "kda_ops._validation"},
     {"kda_ops.kernels.common", "kda_ops.kernels.dispatch"},
     {"kda_ops.constants", "kda_ops.kernels"},
 ]

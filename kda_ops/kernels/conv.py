@@ -137,3 +137,103 @@ def launch_conv_update(x, conv_state, weight, bias, query_start_loc, state_indic
         *out.stride(), query_start_loc.stride(0), state_indices.stride(0), parents.stride(0),
         **constexprs, num_warps=warps, **launch_options(launch),
     )
+
+
+@triton.jit
+def convolve_channels(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, bos, block,
+                      processed, first_channel, stride_x_tok, stride_x_dim, stride_conv_blk,
+                      stride_conv_dim, stride_conv_col, stride_w_dim, stride_w_tap, stride_bias,
+                      stride_y_tok, stride_y_dim, stride_parent, C: tl.constexpr,
+                      BC: tl.constexpr, WIDTH: tl.constexpr, BT: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, SILU: tl.constexpr, TREE: tl.constexpr):
+    """conv_update's outputs for channels `first_channel .. + C` of one window's
+    first `processed` tokens, all tokens at once (`[BT, BC]` tiles), written
+    to `y` in its dtype: conv_verify's prologue (one program per request and
+    head). The arithmetic is `_conv_update_kernel`'s, tap by tap. Reads the
+    block's history; the caller shifts it (`shifted_history`) after a barrier."""
+    HISTORY: tl.constexpr = WIDTH - 1
+    steps = tl.arange(0, BT)
+    live = steps < processed
+    offs_c = first_channel + tl.arange(0, BC)
+    mask_c = tl.arange(0, BC) < C
+    x_cols = x_ptr + bos * stride_x_tok + offs_c[None, :] * stride_x_dim
+    state_cols = conv_ptr + block * stride_conv_blk + offs_c[None, :] * stride_conv_dim
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BC], dtype=tl.float32)
+    y = tl.zeros([BT, BC], dtype=tl.float32) + bias[None, :]
+    if TREE:
+        # Tap WIDTH-1-back reads the input `back` nodes up node t's path: its
+        # ancestor `node`, or past the root history column `column`.
+        node = steps.to(tl.int64)
+        column = HISTORY + node
+        for back in tl.static_range(WIDTH):
+            column = tl.where(node >= 0, HISTORY + node, column)
+            y += _tap(weight_ptr, offs_c, mask_c, stride_w_dim, stride_w_tap, WIDTH - 1 - back) \
+                * _sequence_at(x_cols, state_cols, column, live, mask_c, stride_x_tok,
+                               stride_conv_col, HISTORY)
+            on_window = node >= 0
+            node = tree_parents(parent_ptr, stride_parent, bos, node, processed)
+            # Past a root the taps read the history backwards from its last column.
+            column = tl.where(on_window, HISTORY - 1, column - 1)
+    else:  # tap j reads position t + j of [history, window]
+        for j in tl.static_range(WIDTH):
+            y += _tap(weight_ptr, offs_c, mask_c, stride_w_dim, stride_w_tap, j) \
+                * _sequence_at(x_cols, state_cols, steps + j, live, mask_c, stride_x_tok,
+                               stride_conv_col, HISTORY)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    tl.store(y_ptr + (bos + steps)[:, None] * stride_y_tok + offs_c[None, :] * stride_y_dim,
+             y.to(y_ptr.dtype.element_ty), mask=live[:, None] & mask_c[None, :])
+
+
+@triton.jit
+def shifted_history(x_ptr, conv_ptr, bos, block, processed, first_channel, stride_x_tok,
+                    stride_x_dim, stride_conv_blk, stride_conv_dim, stride_conv_col,
+                    C: tl.constexpr, BC: tl.constexpr, WIDTH: tl.constexpr,
+                    BH: tl.constexpr):
+    """The history conv_update leaves for channels `first_channel .. + C`,
+    `[BH, BC]` (column c holds [history, window][c + 1]), and its store mask:
+    columns up to W-3 + processed, none for an empty window. Load it before a
+    barrier, store it after."""
+    HISTORY: tl.constexpr = WIDTH - 1
+    columns = tl.arange(0, BH)
+    offs_c = first_channel + tl.arange(0, BC)
+    mask_c = (tl.arange(0, BC) < C)[None, :]
+    source = columns + 1
+    in_window = source >= HISTORY
+    written = columns < tl.where(processed > 0, HISTORY - 1 + processed, 0)
+    values = tl.where(
+        in_window[:, None],
+        tl.load(x_ptr + (bos + tl.maximum(source - HISTORY, 0))[:, None] * stride_x_tok
+                + offs_c[None, :] * stride_x_dim,
+                mask=(in_window & written)[:, None] & mask_c, other=0.0),
+        tl.load(conv_ptr + block * stride_conv_blk + offs_c[None, :] * stride_conv_dim
+                + source[:, None] * stride_conv_col,
+                mask=((~in_window) & written)[:, None] & mask_c, other=0.0))
+    at = (conv_ptr + block * stride_conv_blk + offs_c[None, :] * stride_conv_dim
+          + columns[:, None] * stride_conv_col)
+    return values.to(conv_ptr.dtype.element_ty), at, written[:, None] & mask_c
+
+
+@triton.jit
+def _tap(weight_ptr, offs_c, mask_c, stride_w_dim, stride_w_tap, j):
+    """Tap j of the channels, `[1, BC]` in fp32."""
+    return tl.load(weight_ptr + offs_c * stride_w_dim + j * stride_w_tap, mask=mask_c,
+                   other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _sequence_at(x_cols, state_cols, column, live, mask_c, stride_x_tok, stride_conv_col,
+                 HISTORY: tl.constexpr):
+    """Row t: position `column[t]` of [history, window] of the channels, in fp32
+    (zero where not `live`)."""
+    in_window = column >= HISTORY
+    inputs = tl.where(
+        in_window[:, None],
+        tl.load(x_cols + tl.maximum(column - HISTORY, 0)[:, None] * stride_x_tok,
+                mask=(in_window & live)[:, None] & mask_c[None, :], other=0.0),
+        tl.load(state_cols + tl.maximum(column, 0)[:, None] * stride_conv_col,
+                mask=((~in_window) & live)[:, None] & mask_c[None, :], other=0.0))
+    return inputs.to(tl.float32)

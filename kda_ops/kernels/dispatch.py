@@ -75,6 +75,11 @@ LINK_ON_TENSOR_CORES_UP_TO = 8
 
 VERIFY_FORMS = ("token_loop", "closed_form", "tensor_cores", "separate_terms")
 
+# conv_verify convolves inside verify's programs below this many pairs (then one program
+# per request and head holds every V tile); from it, and wherever verify takes the
+# two-kernel form, it launches conv_update's kernel and verify's.
+FUSED_CONV_BELOW_PAIRS = 768
+
 # ------------------------------------------------------------------ launches
 # Programmatic dependent launch below this batch on sm_90+: 9-13% less for 16 verifies
 # and a commit at B = 1; nothing from B = 8, up to 2% more from B = 32.
@@ -96,6 +101,8 @@ class KernelChoices:
         from LISTED_FOLDS_FROM_BATCH).
     cheap_tf32_split: the two-kernel form splits its 3xTF32 operands with an
         integer add and a mask (1-5% faster at T = 4) rather than Triton's tf32x3.
+    fused_conv: conv_verify convolves inside verify's programs (True: wherever
+        the verify form allows) or launches conv_update's kernel first (False).
     """
 
     verify_form: Optional[str] = None
@@ -104,6 +111,7 @@ class KernelChoices:
     link_on_tensor_cores: Optional[bool] = None
     cheap_tf32_split: bool = True
     listed_folds: Optional[bool] = None
+    fused_conv: Optional[bool] = None
 
 
 _choices: contextvars.ContextVar = contextvars.ContextVar("kda_ops_kernel_choices",
@@ -222,6 +230,20 @@ def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False,
         unroll_tokens=form == "closed_form" or (not two_tiles
                                                 and spec_len <= UNROLL_ONE_TILE_UP_TO),
         stages=1, num_warps=4, **common)
+
+
+def conv_verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False,
+                       tree=False) -> Optional[VerifyConfig]:
+    """conv_verify's VerifyConfig, with one program per (request, head) (it
+    then owns the head's channels of the convolution), or None: conv_update's
+    kernel, then verify's launch."""
+    config = verify_config(key_dim, value_dim, request_heads, spec_len, deferred, tree)
+    fused = _choices.get().fused_conv
+    if fused is None:
+        fused = statically_known_true(request_heads < FUSED_CONV_BELOW_PAIRS)
+    if not fused or config.separate_terms:
+        return None
+    return config._replace(v_tiles=triton.cdiv(value_dim, config.block_v))
 
 
 # ------------------------------------------------------------------ commit, conv

@@ -33,16 +33,20 @@ and each program asks the L2 for its state tile before waiting on the
 previous kernel. The constants below carry the measurements behind them.
 """
 
+from typing import NamedTuple, Optional
+
 import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from .conv import convolve_channels, launch_conv_update, shifted_history
 from .common import (block_is_valid, line_starts, link_tokens, live_range, load_window,
                      pending_records, pending_terms, prefetch_block, prefetch_block_rows,
                      tree_window_terms, wait_for_previous_kernel, window_after_records,
                      window_vectors)
-from .dispatch import WINDOW_TERMS_WARPS, dependent_launch, launch_options, verify_config
+from .dispatch import (WINDOW_TERMS_WARPS, conv_verify_config, dependent_launch, launch_options,
+                       verify_config)
 from .verify_tensor_cores import tensor_core_tile, tensor_core_verify_kernel, window_terms_kernel
 
 
@@ -51,6 +55,7 @@ def _verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr,
     state_ptr, correction_ptr, key_gate_ptr, out_ptr, vectors_ptr, coupling_ptr,
     pending_ptr, pending_terms_ptr, query_start_ptr, state_indices_ptr, parent_ptr,
+    x_ptr, conv_ptr, conv_weight_ptr, conv_bias_ptr,
     num_blocks, lower_bound, scale,
     stride_q_tok, stride_q_head, stride_q_dim,
     stride_k_tok, stride_k_head, stride_k_dim,
@@ -63,12 +68,16 @@ def _verify_kernel(
     stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
     stride_o_tok, stride_o_head, stride_o_dim,
     stride_query_start, stride_state_indices, stride_pending, stride_parent,
+    stride_x_tok, stride_x_dim, stride_conv_blk, stride_conv_dim, stride_conv_col,
+    stride_w_dim, stride_w_tap, stride_bias,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPEC_LEN: tl.constexpr, BT: tl.constexpr, RECORDS: tl.constexpr, BR: tl.constexpr,
     DEFERRED: tl.constexpr, TREE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr, UNROLL_TOKENS: tl.constexpr,
     CLOSED_FORM: tl.constexpr, TENSOR_CORES: tl.constexpr, NP: tl.constexpr,
     STAGES: tl.constexpr, PREFETCH_STATE: tl.constexpr,
+    FUSED_CONV: tl.constexpr, WIDTH: tl.constexpr, BH: tl.constexpr, BVH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     PDL: tl.constexpr,
 ):
     first_tile = tl.program_id(0) * V_TILES
@@ -122,6 +131,16 @@ def _verify_kernel(
         if not TENSOR_CORES:  # the tensor-core products load their own chunks
             state = _load_state_tile(state_head, first_tile, slots, slot_keys, slot_key_mask,
                                      stride_s_v, stride_s_k, V, BV)
+        if FUSED_CONV:
+            # conv_verify: this program owns the head's channels of x and of the
+            # conv state (grid (1, B, H)); q, k and v point into the window's
+            # convolution outputs, written here and read from phase 1 on.
+            _convolve_head(x_ptr, conv_ptr, conv_weight_ptr, conv_bias_ptr, q_ptr, parent_ptr,
+                           bos, block, tl.minimum(window, SPEC_LEN), h, tl.num_programs(2),
+                           stride_x_tok, stride_x_dim, stride_conv_blk, stride_conv_dim,
+                           stride_conv_col, stride_w_dim, stride_w_tap, stride_bias,
+                           stride_q_tok, stride_q_dim, stride_parent, K, V, BK, BVH, WIDTH,
+                           BT, BH, HAS_BIAS, SILU, TREE)
         # Phase 1: every token's decay and normalised key and query, all
         # tokens at once, into this (request, head)'s workspace rows. The token
         # loop below then only loads them, in the state tile's layout, instead of
@@ -287,6 +306,55 @@ def _verify_kernel(
                  tl.zeros([V_TILES * BV], dtype=tl.float32), mask=offs_group < V)
 
 
+@triton.jit
+def _convolve_head(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, bos, block,
+                   processed, h, num_heads, stride_x_tok, stride_x_dim, stride_conv_blk,
+                   stride_conv_dim, stride_conv_col, stride_w_dim, stride_w_tap, stride_bias,
+                   stride_y_tok, stride_y_dim, stride_parent, K: tl.constexpr, V: tl.constexpr,
+                   BK: tl.constexpr, BVH: tl.constexpr, WIDTH: tl.constexpr, BT: tl.constexpr,
+                   BH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                   TREE: tl.constexpr):
+    """conv_update of head h's channels of the window (x is q | k | v, `H K`,
+    `H K` and `H V` channels): the outputs into `y`, then the history shifted.
+    Each group's shifted columns are loaded before a barrier and stored after
+    it, so no thread overwrites a column another has yet to read."""
+    q_first = h * K
+    k_first = (num_heads + h) * K
+    v_first = 2 * num_heads * K + h * V
+    convolve_channels(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, bos, block,
+                      processed, q_first, stride_x_tok, stride_x_dim, stride_conv_blk,
+                      stride_conv_dim, stride_conv_col, stride_w_dim, stride_w_tap, stride_bias,
+                      stride_y_tok, stride_y_dim, stride_parent, K, BK, WIDTH, BT, HAS_BIAS,
+                      SILU, TREE)
+    convolve_channels(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, bos, block,
+                      processed, k_first, stride_x_tok, stride_x_dim, stride_conv_blk,
+                      stride_conv_dim, stride_conv_col, stride_w_dim, stride_w_tap, stride_bias,
+                      stride_y_tok, stride_y_dim, stride_parent, K, BK, WIDTH, BT, HAS_BIAS,
+                      SILU, TREE)
+    convolve_channels(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, bos, block,
+                      processed, v_first, stride_x_tok, stride_x_dim, stride_conv_blk,
+                      stride_conv_dim, stride_conv_col, stride_w_dim, stride_w_tap, stride_bias,
+                      stride_y_tok, stride_y_dim, stride_parent, V, BVH, WIDTH, BT, HAS_BIAS,
+                      SILU, TREE)
+    _shift_history(x_ptr, conv_ptr, bos, block, processed, q_first, stride_x_tok, stride_x_dim,
+                   stride_conv_blk, stride_conv_dim, stride_conv_col, K, BK, WIDTH, BH)
+    _shift_history(x_ptr, conv_ptr, bos, block, processed, k_first, stride_x_tok, stride_x_dim,
+                   stride_conv_blk, stride_conv_dim, stride_conv_col, K, BK, WIDTH, BH)
+    _shift_history(x_ptr, conv_ptr, bos, block, processed, v_first, stride_x_tok, stride_x_dim,
+                   stride_conv_blk, stride_conv_dim, stride_conv_col, V, BVH, WIDTH, BH)
+
+
+@triton.jit
+def _shift_history(x_ptr, conv_ptr, bos, block, processed, first_channel, stride_x_tok,
+                   stride_x_dim, stride_conv_blk, stride_conv_dim, stride_conv_col,
+                   C: tl.constexpr, BC: tl.constexpr, WIDTH: tl.constexpr, BH: tl.constexpr):
+    values, at, written = shifted_history(
+        x_ptr, conv_ptr, bos, block, processed, first_channel, stride_x_tok, stride_x_dim,
+        stride_conv_blk, stride_conv_dim, stride_conv_col, C, BC, WIDTH, BH)
+    tl.debug_barrier()
+    tl.store(at, values, mask=written)
+
+
 def _token_strides(t):
     """Strides of the (token, head, dim) axes of a `[(1,) tokens, H, D]` tensor."""
     return t.stride()[-3:]
@@ -446,11 +514,11 @@ def _row_dot(products, NUM_CHUNKS: tl.constexpr, BV: tl.constexpr, KEY_CHUNK: tl
 
 
 def verify_launches(config, key_dim, value_dim, spec_len, use_lower_bound, pdl, records=None,
-                    deferred=False, tree=False):
+                    deferred=False, tree=False, conv=None):
     """The kernels of one verify launch: {name: (kernel, constexprs, num_warps)},
     for windows (trees with `tree`) of up to `spec_len` tokens and records of
-    `records` positions (default spec_len). tools/kernel_resources.py compiles
-    exactly these."""
+    `records` positions (default spec_len); with `conv` (a FusedConv),
+    conv_verify's kernel. tools/kernel_resources.py compiles exactly these."""
     records = spec_len if records is None else records
     BK = triton.next_power_of_2(key_dim)
     BT = triton.next_power_of_2(spec_len)
@@ -473,15 +541,51 @@ def verify_launches(config, key_dim, value_dim, spec_len, use_lower_bound, pdl, 
         shape, TREE=tree, V=value_dim, BV=config.block_v, USE_LOWER_BOUND=use_lower_bound,
         KEY_CHUNK=config.key_chunk, V_TILES=config.v_tiles, UNROLL_TOKENS=config.unroll_tokens,
         CLOSED_FORM=config.closed_form, TENSOR_CORES=config.tensor_cores, NP=max(16, 2 * BT),
-        STAGES=config.stages, PREFETCH_STATE=config.prefetch_state and pdl, PDL=pdl),
-        config.num_warps)}
+        STAGES=config.stages, PREFETCH_STATE=config.prefetch_state and pdl,
+        **_fused_conv_constexprs(conv, value_dim, spec_len), PDL=pdl), config.num_warps)}
+
+
+class FusedConv(NamedTuple):
+    """conv_verify's convolution: what its kernel takes beside verify's."""
+
+    x: torch.Tensor
+    conv_state: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    silu: bool
+
+    @property
+    def width(self):
+        return self.weight.shape[1]
+
+
+def _fused_conv_constexprs(conv, value_dim, spec_len):
+    if conv is None:
+        return dict(FUSED_CONV=False, WIDTH=2, BH=1, BVH=1, HAS_BIAS=False, SILU=False)
+    return dict(FUSED_CONV=True, WIDTH=conv.width, BH=triton.next_power_of_2(conv.width - 2 + spec_len),
+                BVH=triton.next_power_of_2(value_dim), HAS_BIAS=conv.bias is not None,
+                SILU=conv.silu)
+
+
+def _fused_conv_args(conv, fallback):
+    """The kernel's convolution pointers and strides (`fallback`'s, unread,
+    without `conv`)."""
+    if conv is None:
+        return (fallback,) * 4, (0,) * 8
+    bias = conv.weight if conv.bias is None else conv.bias
+    return ((conv.x, conv.conv_state, conv.weight, bias),
+            (*conv.x.stride(), *conv.conv_state.stride(), *conv.weight.stride(),
+             bias.stride(0) if conv.bias is not None else 0))
 
 
 def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
                   query_start_loc, state_indices, lower_bound, scale, out, dims, pending=None,
-                  spec_len=None, parent=None):
+                  spec_len=None, parent=None, config=None, conv=None):
     """`spec_len`: the longest window, T (default: the records' positions);
-    `parent`: the windows' tree parents (default: chains)."""
+    `parent`: the windows' tree parents (default: chains); `config`: the
+    VerifyConfig (default: the policy's); `conv`: a FusedConv, whose outputs
+    q, k and v are (views of one `[tokens, D]` tensor, q first) and which
+    `config` runs with one program per request and head."""
     if dims.batch == 0:
         return
     num_heads, K, V = dims.num_heads, dims.key_dim, dims.value_dim
@@ -489,10 +593,11 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     spec_len = records if spec_len is None else spec_len
     deferred = pending is not None
     tree = parent is not None
-    config = verify_config(K, V, dims.batch * num_heads, spec_len, deferred, tree)
+    if config is None:
+        config = verify_config(K, V, dims.batch * num_heads, spec_len, deferred, tree)
     launch = dependent_launch(q, dims.batch)
     kernels = verify_launches(config, K, V, spec_len, lower_bound is not None, launch["PDL"],
-                              records, deferred, tree)
+                              records, deferred, tree, conv)
     BK = triton.next_power_of_2(K)
     BT = triton.next_power_of_2(spec_len)
     BR = triton.next_power_of_2(records)
@@ -540,17 +645,41 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     coupling = torch.empty((dims.batch, num_heads, 2 * BT * BT if closed else BT),
                            device=q.device, dtype=torch.float32)
     kernel, constexprs, warps = kernels["verify"]
+    conv_tensors, conv_strides = _fused_conv_args(conv, state_indices)
     wrap_triton(kernel)[grid](
         q, k, v, g, beta, A_log, dt_bias,
         state, correction, key_gate, out, vectors, coupling, counts, *index_args, parents,
-        *scalars,
+        *conv_tensors, *scalars,
         *_token_strides(q), *_token_strides(k), *_token_strides(v), *_token_strides(g),
         *beta.stride()[-2:],
         A_log.stride(0), *dt_strides,
         *state.stride(), *correction.stride(), *key_gate.stride(), *_token_strides(out),
-        *index_strides, parents.stride(0),
+        *index_strides, parents.stride(0), *conv_strides,
         **constexprs, num_warps=warps, **launch_options(launch),
     )
+
+
+def launch_conv_verify(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_bias, state,
+                       correction, key_gate, query_start_loc, state_indices, activation,
+                       lower_bound, scale, out, dims, pending=None, spec_len=None, parent=None):
+    """conv_update into a per-call `[tokens, D]` buffer, then verify of its q | k | v
+    split: inside verify's programs where `dispatch.conv_verify_config` gives a
+    form with one program per (request, head), else as the two ops' kernels."""
+    verify_dims = dims.verify
+    H, K, V = verify_dims.num_heads, verify_dims.key_dim, verify_dims.value_dim
+    convolved = torch.empty_like(x)
+    q, k, v = (part.unflatten(-1, (H, -1)) for part in convolved.split([H * K, H * K, H * V], -1))
+    verify_args = (g, beta, A_log, dt_bias, state, correction, key_gate, query_start_loc,
+                   state_indices, lower_bound, scale, out, verify_dims, pending, spec_len, parent)
+    config = conv_verify_config(K, V, verify_dims.batch * H, spec_len, pending is not None,
+                                parent is not None)
+    if config is None:
+        launch_conv_update(x, conv_state, conv_weight, conv_bias, query_start_loc, state_indices,
+                           activation, convolved, dims.conv, parent)
+        launch_verify(q, k, v, *verify_args)
+        return
+    launch_verify(q, k, v, *verify_args, config=config,
+                  conv=FusedConv(x, conv_state, conv_weight, conv_bias, activation == "silu"))
 
 
 VERIFY_KERNELS = (_verify_kernel, window_terms_kernel, tensor_core_verify_kernel)
