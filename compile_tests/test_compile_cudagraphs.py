@@ -117,7 +117,7 @@ def sync_debug_error():
                          ids=["eager-2"] + [f"inductor-{n}" for n in LAYER_COUNTS])
 def test_manual_cuda_graph_of_a_full_step(compiled, num_layers):
     """One graph: stage this step's metadata into the graph's fixed buffers
-    (count read on the device), conv_update + verify for every layer, commit
+    (count read on the device), conv_verify for every layer, commit
     of all layers (stacked caches of a GiB or more). Replayed with new tokens,
     windows, blocks and counts."""
     model = large_cache_model("cuda", num_layers, conv_layout="token_first")

@@ -31,7 +31,7 @@ def _capture(fn, *args, **kwargs):
 
 class TestCapturedGraph(expecttest.TestCase):
     def test_decode_step_graph(self):
-        """The whole step (2 layers of conv_update + verify, one commit) is one
+        """The whole step (2 layers of conv_verify, one commit) is one
         graph; each call names its caches (layer slices of the module buffers)
         and marks the written ones with `!`."""
         torch._dynamo.reset()
@@ -39,10 +39,8 @@ class TestCapturedGraph(expecttest.TestCase):
         _, graphs = _capture(model.decode_step, *step_inputs(model, [2, 3, 1]))
         self.assertEqual(len(graphs), 1)
         self.assertExpectedInline(render_kda_calls(graphs[0]), """\
-kda_ops.conv_update(x=float32[6, 96], conv_state!=self.conv_state.transpose(-1, -2)[0], weight=self.conv_weight[0], bias=self.conv_bias[0], query_start_loc=query_start_loc, state_indices=state_indices, activation='silu', out!=empty_like(float32[6, 96]))
-kda_ops.verify(q=float32[6, 2, 16], k=float32[6, 2, 16], v=float32[6, 2, 16], g=float32[6, 2, 16], beta=float32[6, 2], A_log=self.A_log[0], dt_bias=self.dt_bias[0], state=self.state[0], correction!=self.correction[0], key_gate!=self.key_gate[0], query_start_loc=query_start_loc, state_indices=state_indices, lower_bound=-5.0, out!=empty_like(float32[6, 2, 16]))
-kda_ops.conv_update(x=float32[6, 96], conv_state!=self.conv_state.transpose(-1, -2)[1], weight=self.conv_weight[1], bias=self.conv_bias[1], query_start_loc=query_start_loc, state_indices=state_indices, activation='silu', out!=empty_like(float32[6, 96]))
-kda_ops.verify(q=float32[6, 2, 16], k=float32[6, 2, 16], v=float32[6, 2, 16], g=float32[6, 2, 16], beta=float32[6, 2], A_log=self.A_log[1], dt_bias=self.dt_bias[1], state=self.state[1], correction!=self.correction[1], key_gate!=self.key_gate[1], query_start_loc=query_start_loc, state_indices=state_indices, lower_bound=-5.0, out!=empty_like(float32[6, 2, 16]))
+kda_ops.conv_verify(x=float32[6, 96], conv_state!=self.conv_state.transpose(-1, -2)[0], conv_weight=self.conv_weight[0], conv_bias=self.conv_bias[0], g=float32[6, 2, 16], beta=float32[6, 2], A_log=self.A_log[0], dt_bias=self.dt_bias[0], state=self.state[0], correction!=self.correction[0], key_gate!=self.key_gate[0], query_start_loc=query_start_loc, state_indices=state_indices, activation='silu', lower_bound=-5.0, out!=float32[6, 2, 16])
+kda_ops.conv_verify(x=float32[6, 96], conv_state!=self.conv_state.transpose(-1, -2)[1], conv_weight=self.conv_weight[1], conv_bias=self.conv_bias[1], g=float32[6, 2, 16], beta=float32[6, 2], A_log=self.A_log[1], dt_bias=self.dt_bias[1], state=self.state[1], correction!=self.correction[1], key_gate!=self.key_gate[1], query_start_loc=query_start_loc, state_indices=state_indices, activation='silu', lower_bound=-5.0, out!=float32[6, 2, 16])
 kda_ops.commit(num_accepted_tokens=num_accepted_tokens, state_indices=state_indices, query_start_loc=query_start_loc, state!=self.state, conv_state!=self.conv_state.transpose(-1, -2), correction=self.correction, key_gate=self.key_gate, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=-5.0, spec_len=3)""")
 
     def test_caches_as_inputs_graph(self):
@@ -55,8 +53,7 @@ kda_ops.commit(num_accepted_tokens=num_accepted_tokens, state_indices=state_indi
         _, graphs = _capture(model.decode_step, hidden, qsl, si, accepted, caches)
         self.assertEqual(len(graphs), 1)
         self.assertExpectedInline(render_kda_calls(graphs[0]), """\
-kda_ops.conv_update(x=float32[4, 96], conv_state!=caches_conv_state[0], weight=self.conv_weight[0], bias=self.conv_bias[0], query_start_loc=query_start_loc, state_indices=state_indices, activation='silu', out!=empty_like(float32[4, 96]))
-kda_ops.verify(q=float32[4, 2, 16], k=float32[4, 2, 16], v=float32[4, 2, 16], g=float32[4, 2, 16], beta=float32[4, 2], A_log=self.A_log[0], dt_bias=self.dt_bias[0], state=caches_state[0], correction!=caches_correction[0], key_gate!=caches_key_gate[0], query_start_loc=query_start_loc, state_indices=state_indices, lower_bound=-5.0, out!=empty_like(float32[4, 2, 16]))
+kda_ops.conv_verify(x=float32[4, 96], conv_state!=caches_conv_state[0], conv_weight=self.conv_weight[0], conv_bias=self.conv_bias[0], g=float32[4, 2, 16], beta=float32[4, 2], A_log=self.A_log[0], dt_bias=self.dt_bias[0], state=caches_state[0], correction!=caches_correction[0], key_gate!=caches_key_gate[0], query_start_loc=query_start_loc, state_indices=state_indices, activation='silu', lower_bound=-5.0, out!=float32[4, 2, 16])
 kda_ops.commit(num_accepted_tokens=num_accepted_tokens, state_indices=state_indices, query_start_loc=query_start_loc, state!=caches_state, conv_state!=caches_conv_state, correction=caches_correction, key_gate=caches_key_gate, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=-5.0, spec_len=3)""")
 
     def test_plain_function_graph(self):
@@ -134,8 +131,7 @@ def test_dynamo_graph_lists_every_op():
     model = tiny_model("cpu")
     _, graphs = _capture(model.decode_step, *step_inputs(model, [1, 2]))
     assert kda_call_targets(graphs[0]) == [
-        "kda_ops.conv_update.default", "kda_ops.verify.default",
-        "kda_ops.conv_update.default", "kda_ops.verify.default", "kda_ops.commit.default"]
+        "kda_ops.conv_verify.default", "kda_ops.conv_verify.default", "kda_ops.commit.default"]
 
 
 def _permuted_dense(t):

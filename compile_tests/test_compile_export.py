@@ -39,8 +39,7 @@ def test_export_save_load_matches_eager(device, with_caches, tmp_path):
     model = tiny_model(device, conv_layout="token_first", num_blocks=40)
     eager = model_copy(model)
     ep = export_step(model_copy(model), with_caches)
-    assert kda_nodes(ep) == ["kda_ops.conv_update.default", "kda_ops.verify.default"] * 2 + [
-        "kda_ops.commit.default"]
+    assert kda_nodes(ep) == ["kda_ops.conv_verify.default"] * 2 + ["kda_ops.commit.default"]
 
     path = tmp_path / "step.pt2"
     torch.export.save(ep, path)

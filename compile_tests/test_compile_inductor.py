@@ -157,15 +157,15 @@ def allocations(code):
 
 def assert_in_place(model, compiled, inputs, caches=None):
     """Runs `compiled` once; its output code must call each op on the caches
-    (conv_update and verify per layer, commit once or per layer) and allocate
+    (conv_verify per layer, commit once or per layer) and allocate
     or copy nothing as large as the smallest cache tensor of one layer."""
     _, codes = run_and_get_code(compiled, *inputs, *(() if caches is None else (caches,)))
     code = "\n".join(codes)
     layers = model.num_layers
     calls = {op: len(re.findall(rf"torch\.ops\.kda_ops\.{op}\.default\(", code))
-             for op in ("conv_update", "verify", "commit")}
+             for op in ("conv_verify", "commit")}
     commits = 1 if model.cache_layout == "stacked" else layers
-    assert calls == dict(conv_update=layers, verify=layers, commit=commits), calls
+    assert calls == dict(conv_verify=layers, commit=commits), calls
     used = caches if caches is not None else model.buffers_as_caches()
     smallest = min(layer.numel() for field in used for layer in layers_of(field))
     large = [(sizes, n) for sizes, n in allocations(code) if n >= smallest]

@@ -1,9 +1,10 @@
-"""compute-sanitizer over the deferred schedule's and the tree drafts' CUDA
-tests: every verify form with pending records, the deferred commit in both
-its forms (a program per tile; the fold plan, whose persistent programs claim
-tiles from a counter), flush and align mode; tree verify in every form that
-takes trees, conv_update of trees and the commit of accepted paths (align
-mode included), in a process of their own."""
+"""compute-sanitizer over the deferred schedule's, the tree drafts' and
+conv_verify's CUDA tests: every verify form with pending records, the
+deferred commit in both its forms (a program per tile; the fold plan, whose
+persistent programs claim tiles from a counter), flush and align mode; tree
+verify in every form that takes trees, conv_update of trees and the commit of
+accepted paths (align mode included); conv_verify in every form, fused or
+not; in a process of their own."""
 
 import os
 import shutil
@@ -17,15 +18,17 @@ from helpers import requires_cuda
 
 TESTS = Path(__file__).parent
 # The CUDA tests it runs: in test_verify.py those with pending records, in
-# test_deferred.py and test_trees.py all of them (the 200-step runs included).
+# test_deferred.py, test_trees.py and test_conv_verify.py all of them (the
+# 200-step runs included).
 SELECTION = [str(TESTS / "test_verify.py"), str(TESTS / "test_deferred.py"),
-             str(TESTS / "test_trees.py"), "-k", "cuda and (pending or deferred or trees)"]
+             str(TESTS / "test_trees.py"), str(TESTS / "test_conv_verify.py"), "-k",
+             "cuda and (pending or deferred or trees or conv_verify)"]
 
 
 @requires_cuda
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None,
                     reason="compute-sanitizer (CUDA toolkit) is not on PATH")
-def test_deferred_and_tree_kernels_under_memcheck_on_cuda():
+def test_deferred_tree_and_conv_verify_kernels_under_memcheck_on_cuda():
     """memcheck finds no access outside an allocation (every tensor its own
     allocation: PyTorch's caching allocator off), and the tests still pass
     under it."""

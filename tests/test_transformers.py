@@ -132,8 +132,12 @@ def assistant_for(model, draft, *, same=True):
     """An assistant drafting `draft` tokens each round with no confidence
     stop: a copy of the target (its drafts are accepted) or another random
     model of the same vocabulary (they are mostly rejected)."""
-    assistant = copy.deepcopy(model) if same else kimi_linear(
-        CONFIGS["A"], seed=99, dtype=model.dtype).to(model.device)
+    # On CUDA transformers runs a Kimi Linear prefill through fla's chunked kernels,
+    # which take no float64; the assistant only proposes token ids.
+    dtype = (torch.float32 if model.device.type == "cuda" and model.dtype == torch.float64
+             else model.dtype)
+    assistant = (copy.deepcopy(model) if same else kimi_linear(
+        CONFIGS["A"], seed=99, dtype=dtype)).to(device=model.device, dtype=dtype)
     assistant.generation_config.num_assistant_tokens = draft
     assistant.generation_config.assistant_confidence_threshold = 0.0
     return assistant

@@ -170,18 +170,18 @@ def convolve_channels(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, 
         column = HISTORY + node
         for back in tl.static_range(WIDTH):
             column = tl.where(node >= 0, HISTORY + node, column)
-            y += _tap(weight_ptr, offs_c, mask_c, stride_w_dim, stride_w_tap, WIDTH - 1 - back) \
-                * _sequence_at(x_cols, state_cols, column, live, mask_c, stride_x_tok,
-                               stride_conv_col, HISTORY)
+            tap = _tap(weight_ptr, offs_c, mask_c, stride_w_dim, stride_w_tap, WIDTH - 1 - back)
+            y += tap * _sequence_at(x_cols, state_cols, column, live, mask_c, stride_x_tok,
+                                    stride_conv_col, HISTORY)
             on_window = node >= 0
             node = tree_parents(parent_ptr, stride_parent, bos, node, processed)
             # Past a root the taps read the history backwards from its last column.
             column = tl.where(on_window, HISTORY - 1, column - 1)
     else:  # tap j reads position t + j of [history, window]
         for j in tl.static_range(WIDTH):
-            y += _tap(weight_ptr, offs_c, mask_c, stride_w_dim, stride_w_tap, j) \
-                * _sequence_at(x_cols, state_cols, steps + j, live, mask_c, stride_x_tok,
-                               stride_conv_col, HISTORY)
+            tap = _tap(weight_ptr, offs_c, mask_c, stride_w_dim, stride_w_tap, j)
+            y += tap * _sequence_at(x_cols, state_cols, steps + j, live, mask_c, stride_x_tok,
+                                    stride_conv_col, HISTORY)
     if SILU:
         y = y * tl.sigmoid(y)
     tl.store(y_ptr + (bos + steps)[:, None] * stride_y_tok + offs_c[None, :] * stride_y_dim,
