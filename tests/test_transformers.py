@@ -295,3 +295,21 @@ def test_kda_cache_refuses_other_models_by_name():
         KDACache(llama)
     with pytest.raises(ValueError, match="`spec_len` must be a positive int"):
         KDACache(kimi_linear(CONFIGS["A"]), spec_len=0)
+
+
+def test_benchmark_counts_the_speculative_state_of_each_cache():
+    """The transformers benchmark's state column (run on the CPU here): after
+    a verification forward, transformers keeps a state per draft token and a
+    grown convolution state; KDACache one window's records (a float32
+    correction and the key and gate per token) and T - 1 convolution columns."""
+    from kda_ops.transformers import bench
+    config = CONFIGS["A"]
+    model = kimi_linear(config, seed=3, copying=True, dtype=torch.float32)
+    ids = prompt(3)
+    draft, H, K = 4, config.num_heads, config.head_dim
+    T, D = draft + 1, 3 * H * K
+    _, _, forwards, ours = bench.generate(model, ids, "kda_ops_lookup", 12, draft)
+    assert forwards < 12
+    assert ours == H * T * (K * 4 + 2 * K * 4) + D * (T - 1) * 4
+    _, _, _, theirs = bench.generate(model, ids, "transformers_lookup", 12, draft)
+    assert theirs >= draft * H * K * K * 4

@@ -17,8 +17,9 @@ repetitive text. Each mode generates `--new-tokens` tokens from the
 same prompt `--repeats` times after a warm-up; the row is the median
 throughput (prefill included, CUDA synchronised). Acceptance is tokens per
 target forward. Speculative state is what each cache holds per KDA layer and
-sequence for rolling back a window: transformers' recorded states and grown
-convolution state, or kda_ops' records and extra convolution columns.
+sequence for rolling back a window, at its largest after a verification
+forward (the prompt's forward excluded): transformers' recorded states and
+grown convolution state, or kda_ops' records and extra convolution columns.
 """
 
 import argparse
@@ -84,15 +85,18 @@ def generate(model, ids, mode, new_tokens, draft):
     handle = model.register_forward_pre_hook(lambda *args: forwards.append(1))
     peak = []
     if mode != "plain":
-        # The speculative state at its largest: right after each verification forward.
+        # The speculative state at its largest: right after each verification
+        # forward (every forward but the prompt's).
         hook = model.register_forward_hook(lambda *args: peak.append(state_bytes(
-            cache, model.config.layer_types.index("linear_attention"))))
+            cache, model.config.layer_types.index("linear_attention"))) if len(forwards) > 1
+            else None)
     options = {} if mode == "plain" else dict(prompt_lookup_num_tokens=draft)
-    torch.cuda.synchronize()
+    synchronize = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    synchronize()
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, cache=cache,
                          **options)
-    torch.cuda.synchronize()
+    synchronize()
     seconds = time.perf_counter() - start
     handle.remove()
     if mode != "plain":
