@@ -287,7 +287,7 @@ def conv_verify(x: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: O
     """`conv_update` of a layer's q | k | v input, then `verify` of its output,
     in one op (docs/semantics.md#14-conv_verify): the same results and writes
     as the two calls, with the convolution's output (in x's dtype) kept to the
-    op, and at small batches one kernel launch instead of two.
+    op; one node per layer in a traced graph.
 
     Args:
         x: `[num_tokens, D]`, `D = H (2K + V)`: the convolution's input, whose

@@ -1,7 +1,7 @@
 """Benchmark: every op through one runner, against the copy bandwidth.
 
     python -m kda_ops.bench [--ops verify,commit,commit_align,conv_update,verify_commit,step,
-                                   step_compiled,step_unfused,verify_tree,commit_tree]
+                                   step_compiled,verify_tree,commit_tree]
                             [--batches 1,8,32,...] [--spec-lens 2,4,8]
                             [--record-lens 12,16] [--acceptance 0.7,1]
                             [--state-dtypes float32,bfloat16]
@@ -12,8 +12,7 @@ Ops: verify and conv_update (one layer), commit (all layers; commit_align: in
 align mode, every window crossing a block boundary), verify_commit (every
 layer's verify, then the commit), step (every layer's conv_verify, then the
 commit: `kda_ops.models.KDADecodeStep`), step_compiled (the same step through
-`torch.compile(fullgraph=True)`), step_unfused (every layer's conv_update and
-verify as two calls, then the commit), verify_tree and commit_tree (verify
+`torch.compile(fullgraph=True)`), verify_tree and commit_tree (verify
 of tree windows, commit of an accepted path: docs/semantics.md#13-tree-drafts,
 each window a balanced binary tree of T nodes, accepting its deepest path, and
 a chain given as a tree, accepting all T). verify_commit and the step ops
@@ -190,11 +189,6 @@ def conv_verify_bytes(shape):
             - 2 * shape.tokens * shape.conv_dim * shape.act_dtype.itemsize)
 
 
-def separate_conv_verify_bytes(shape):
-    """One layer's conv_update, then verify."""
-    return conv_update_bytes(shape) + verify_bytes(shape)
-
-
 def commit_bytes(shape, accepted):
     """Every layer's commit of `accepted` tokens per request: state read and
     written, records read, conv history read and written."""
@@ -263,8 +257,8 @@ def accepted_draws(shape, calls, seed=0):
 
 
 def schedule_bytes(shape, draws, sets, pending, window_bytes):
-    """Bytes per call of every layer's window (`window_bytes`: verify_bytes,
-    conv_verify_bytes, separate_conv_verify_bytes) and the commit of `draws[j]` tokens, call j using index set j % sets. The deferred
+    """Bytes per call of every layer's window (`window_bytes`: verify_bytes or
+    conv_verify_bytes) and the commit of `draws[j]` tokens, call j using index set j % sets. The deferred
     schedule's count follows the pending records from `pending` (per set and
     request) over 16 rounds of the calls after 16 uncounted ones, as the timed
     replays follow the warm-up's: verify reads the pending records, and
@@ -420,26 +414,24 @@ def setup_conv_update(shape, device):
     return calls, conv_update_bytes(shape)
 
 
-def setup_step(shape, device, compiled=False, fuse_conv=True):
+def setup_step(shape, device, compiled=False):
     """16 x conv_verify + one commit, captured in one CUDA graph; `compiled`:
-    the step through torch.compile(fullgraph=True), captured alike;
-    `fuse_conv=False`: 16 x (conv_update + verify) + one commit."""
+    the step through torch.compile(fullgraph=True), captured alike."""
     from .models import KDADecodeStep
     sets, N = _block_pool(shape, decode_bytes(_one_request(shape)))
-    model = KDADecodeStep.for_benchmark(shape, device, num_blocks=N, fuse_conv=fuse_conv)
+    model = KDADecodeStep.for_benchmark(shape, device, num_blocks=N)
     if model.deferred:  # every layer's counts alike, as _commit_buffers draws them
         model.pending.copy_(model.pending[:1].expand_as(model.pending))
     hidden, starts, _, _ = model.example_inputs(shape.batch)
     step = torch.compile(model.step, fullgraph=True) if compiled else model.step
     return _schedule_setup(shape, sets, model.pending if model.deferred else None, device,
                            lambda idx, accepted: step(hidden, starts, idx, accepted),
-                           conv_verify_bytes if fuse_conv else separate_conv_verify_bytes)
+                           conv_verify_bytes)
 
 
 SETUPS = {"verify": setup_verify, "commit": setup_commit, "commit_align": setup_commit_align,
           "conv_update": setup_conv_update, "verify_commit": setup_verify_commit,
           "step": setup_step, "step_compiled": functools.partial(setup_step, compiled=True),
-          "step_unfused": functools.partial(setup_step, fuse_conv=False),
           "verify_tree": setup_verify, "commit_tree": setup_commit}
 
 
@@ -472,7 +464,7 @@ TREE_SHAPES = ("chain", "balanced")
 
 # Ops that run a decode step's work (every layer, then the commit): the table
 # also gives their time over the bytes-over-bandwidth floor.
-WHOLE_STEP_OPS = ("verify_commit", "step", "step_compiled", "step_unfused")
+WHOLE_STEP_OPS = ("verify_commit", "step", "step_compiled")
 
 
 def _variants(op, T, record_lens, acceptances):

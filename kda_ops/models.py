@@ -9,7 +9,7 @@ the end-to-end checks and the benchmark drive it. Per layer `l`:
     hidden = hidden + out @ out-proj
 
 (conv_verify is conv_update of mixed into q | k | v, then verify of them; with
-`fuse_conv=False` the layer makes those two calls itself).
+`use_conv_verify=False` the layer makes those two calls itself).
 
 and after sampling, ONE `kda_ops.commit` folds the accepted prefix into the
 checkpoints and compacts the convolution history of every layer at once (the
@@ -103,7 +103,7 @@ class KDADecodeStep(nn.Module):
             folds). R > T runs the deferred schedule: commits count accepted
             tokens as pending and fold them when the records run out of room;
             `flush` writes every pending token back.
-        fuse_conv: each layer runs `kda_ops.conv_verify` (default); False:
+        use_conv_verify: each layer runs `kda_ops.conv_verify` (default); False:
             `conv_update`, then `verify`.
         seed: seeds the parameter initialisation (CPU generator, so the same
             parameters on every device).
@@ -130,10 +130,10 @@ class KDADecodeStep(nn.Module):
                  hidden_size: Optional[int] = None, dtype: torch.dtype = torch.float32,
                  state_dtype: torch.dtype = torch.float32, conv_layout: str = "dim_first",
                  cache_layout: str = "stacked", lower_bound: Optional[float] = None,
-                 record_len: Optional[int] = None, fuse_conv: bool = True, seed: int = 0,
+                 record_len: Optional[int] = None, use_conv_verify: bool = True, seed: int = 0,
                  device: torch.device | str | None = None):
         super().__init__()
-        self.fuse_conv = fuse_conv
+        self.use_conv_verify = use_conv_verify
         if conv_layout not in ("dim_first", "token_first"):
             raise ValueError(f"conv_layout must be 'dim_first' or 'token_first', got {conv_layout!r}")
         if cache_layout not in ("stacked", "per_layer"):
@@ -192,19 +192,18 @@ class KDADecodeStep(nn.Module):
 
     @classmethod
     def for_benchmark(cls, shape, device, *, num_blocks: Optional[int] = None,
-                      fuse_conv: bool = True, seed: int = 0) -> "KDADecodeStep":
+                      seed: int = 0) -> "KDADecodeStep":
         """A model without projections for a `kda_ops.bench.Shape` (batch,
         spec_len, layers, heads, key_dim, value_dim, conv_width, act_dtype,
         state_dtype, record_len): engine-like token-first conv state, lower
         bound -5, `num_blocks` state blocks (default one per request, N =
-        batch + 1), random caches; `fuse_conv` as in the constructor."""
+        batch + 1), random caches."""
         num_blocks = shape.batch + 1 if num_blocks is None else num_blocks
         model = cls(shape.layers, shape.heads, shape.key_dim, shape.spec_len, shape.conv_width,
                     num_blocks, value_dim=shape.value_dim, projections=False,
                     dtype=shape.act_dtype, state_dtype=shape.state_dtype,
                     conv_layout="token_first", lower_bound=-5.0,
-                    record_len=shape.record_len, fuse_conv=fuse_conv, seed=seed,
-                    device=device)
+                    record_len=shape.record_len, seed=seed, device=device)
         model.randomize_caches(seed)
         return model
 
@@ -343,7 +342,7 @@ class KDADecodeStep(nn.Module):
                 g = g.view(num_tokens, H, K)
             caches = (self.A_log[layer], self.dt_bias[layer], c.state[layer],
                       c.correction[layer], c.key_gate[layer], query_start_loc, state_indices)
-            if self.fuse_conv:
+            if self.use_conv_verify:
                 out = api.conv_verify(mixed, conv[layer], self.conv_weight[layer],
                                       self.conv_bias[layer], g, beta, *caches,
                                       lower_bound=self.lower_bound, **self._deferred(c, layer))
@@ -434,7 +433,7 @@ class KDADecodeStep(nn.Module):
                 f"projections={self.projections}, hidden={self.hidden_size}, dtype={self.dtype}, "
                 f"conv_layout={self.conv_layout}, cache_layout={self.cache_layout}, "
                 f"lower_bound={self.lower_bound}, record_len={self.record_len}, "
-                f"fuse_conv={self.fuse_conv}")
+                f"use_conv_verify={self.use_conv_verify}")
 
 
 def cache_tensors(caches: KDACaches) -> list[Tensor]:

@@ -6,6 +6,14 @@ import pytest
 import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Set by tests/test_sanitizer.py for the tests it runs under compute-sanitizer.
+UNDER_SANITIZER = os.environ.get("KDA_OPS_TESTS_UNDER_SANITIZER") == "1"
+
+
+def long_run_steps(steps, short):
+    """Steps of a long-run test: `short` interpreted or under compute-sanitizer
+    (each launch checked; memcheck wants every kernel path, not many repeats)."""
+    return short if INTERPRET or UNDER_SANITIZER else steps
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

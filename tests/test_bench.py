@@ -46,7 +46,6 @@ def expected_bytes(shape, op):
             "commit_align": commit + boundary,
             "verify_commit": L * verify + commit, "step": L * (conv + verify - qkv) + commit,
             "step_compiled": L * (conv + verify - qkv) + commit,
-            "step_unfused": L * (conv + verify) + commit,
             "verify_tree": verify + parents, "commit_tree": commit + path}[op]
 
 

@@ -9,7 +9,7 @@ import kda_ops
 from kda_ops import naive
 from kda_ops.kernels.dispatch import conv_verify_config, kernel_choices
 
-from helpers import DEVICES, INTERPRET, TOLERANCE, assert_rel_close, query_start_loc
+from helpers import DEVICES, TOLERANCE, assert_rel_close, query_start_loc
 
 H, W = 2, 4
 
@@ -149,15 +149,14 @@ def test_conv_verify_tree(device, form, T):
     assert_matches_oracle(result, oracle(a, lower_bound=-5.0, parent=parent))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_conv_verify_takes_the_fused_kernel_below_the_threshold(device):
-    """The policy: the convolution inside verify's programs for small batches,
-    the two ops' kernels where verify takes the two-kernel form."""
-    if device == "cpu" and not INTERPRET:
-        pytest.skip("the PyTorch path has no kernel forms")
-    assert conv_verify_config(128, 128, 32, 4) is not None
-    assert conv_verify_config(128, 128, 64 * 32, 4) is None
-    assert conv_verify_config(128, 128, 32, 8).v_tiles == 4
+def test_conv_verify_policy():
+    """By default the two ops' kernels (measured faster, kernels/dispatch.py);
+    with fused_conv the convolution runs inside verify's programs, one per
+    request and head, wherever verify's form allows."""
+    assert conv_verify_config(128, 128, 32, 4) is None
+    with kernel_choices(fused_conv=True):
+        assert conv_verify_config(128, 128, 32, 8).v_tiles == 4
+        assert conv_verify_config(128, 128, 64 * 32, 4) is None  # the two-kernel form
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -166,12 +165,14 @@ def test_conv_verify_model_step_equals_the_two_ops(device):
     conv_update + verify: the same outputs, states and caches."""
     from kda_ops.models import KDADecodeStep, make_step_inputs
     models = [KDADecodeStep(num_layers=2, num_heads=2, head_dim=16, spec_len=4, num_blocks=8,
-                            lower_bound=-5.0, fuse_conv=fuse, device=device)
+                            lower_bound=-5.0, use_conv_verify=fuse, device=device)
               for fuse in (True, False)]
     for model in models:
         model.randomize_caches(3)
     inputs = make_step_inputs(models[0], [4, 2, 3], seed=4)
-    fused_out, unfused_out = (model.decode_step(*inputs) for model in models)
+    with kernel_choices(fused_conv=True):
+        fused_out = models[0].decode_step(*inputs)
+    unfused_out = models[1].decode_step(*inputs)
     assert_rel_close(fused_out, unfused_out, tol=1e-6, name="out")
     for fused, unfused in zip(*(model.buffers_as_caches() for model in models)):
         assert_rel_close(fused, unfused, tol=1e-6, name="caches")

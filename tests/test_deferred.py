@@ -8,7 +8,7 @@ import torch
 from kda_ops import naive
 from kda_ops.kernels.dispatch import kernel_choices
 
-from helpers import DEVICES, INTERPRET, query_start_loc
+from helpers import DEVICES, long_run_steps, query_start_loc
 
 H, K, V = 2, 8, 4
 
@@ -234,7 +234,7 @@ def test_deferred_ops_match_the_reference(stacked, align, value_dim, device):
 @pytest.mark.parametrize("cache_layout", ["stacked", "per_layer"])
 def test_model_schedules_agree_over_a_long_run(cache_layout):
     """KDADecodeStep with record_len = R > T against the immediate schedule,
-    200 steps (18 interpreted, both flushes) of ragged windows and random
+    200 steps (18 interpreted or under the sanitizer, both flushes) of ragged windows and random
     acceptance (0 to L) with conv history and projections, requests flushed
     mid-run: the same outputs every step, the same conv history, and the same
     checkpoints after each flush."""
@@ -242,7 +242,7 @@ def test_model_schedules_agree_over_a_long_run(cache_layout):
 
     T, R, layers = 3, 8, 2
     # Interpreted, each step's kernels make 200 steps take minutes.
-    steps = 18 if INTERPRET else 200
+    steps = long_run_steps(200, 18)
     kwargs = dict(num_layers=layers, num_heads=2, head_dim=8, spec_len=T, num_blocks=8,
                   cache_layout=cache_layout, lower_bound=-5.0)
     immediate = KDADecodeStep(**kwargs)
@@ -342,7 +342,7 @@ def test_deferred_ops_follow_the_reference_over_a_long_run(align, device):
     from helpers import assert_rel_close
 
     T, R, L, D, W, block_size, slots, columns = 3, 8, 2, 6, 3, 4, 3, 40
-    steps = 30 if INTERPRET else 200  # interpreted: one finish and join, at step 24
+    steps = long_run_steps(200, 30)  # short: one finish and join, at step 24
     gen = torch.Generator().manual_seed(31 + align)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     # Blocks 1..: a table row per request and join, so that every request owns its blocks.

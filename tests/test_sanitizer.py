@@ -19,7 +19,7 @@ from helpers import requires_cuda
 TESTS = Path(__file__).parent
 # The CUDA tests it runs: in test_verify.py those with pending records, in
 # test_deferred.py, test_trees.py and test_conv_verify.py all of them (the
-# 200-step runs included).
+# long runs with their interpreted step counts: helpers.long_run_steps).
 SELECTION = [str(TESTS / "test_verify.py"), str(TESTS / "test_deferred.py"),
              str(TESTS / "test_trees.py"), str(TESTS / "test_conv_verify.py"), "-k",
              "cuda and (pending or deferred or trees or conv_verify)"]
@@ -32,7 +32,8 @@ def test_deferred_tree_and_conv_verify_kernels_under_memcheck_on_cuda():
     """memcheck finds no access outside an allocation (every tensor its own
     allocation: PyTorch's caching allocator off), and the tests still pass
     under it."""
-    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1",
+               KDA_OPS_TESTS_UNDER_SANITIZER="1")
     proc = subprocess.run(
         ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", sys.executable,
          "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *SELECTION],

@@ -12,7 +12,7 @@ import kda_ops
 from kda_ops import naive
 from kda_ops.kernels.dispatch import kernel_choices, verify_config
 
-from helpers import DEVICES, INTERPRET, assert_rel_close, query_start_loc
+from helpers import DEVICES, INTERPRET, assert_rel_close, long_run_steps, query_start_loc
 
 H, K, V, W = 2, 8, 4, 3
 D = H * (2 * K + V)
@@ -245,7 +245,7 @@ def test_commit_of_a_path_in_align_mode(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_long_run_of_random_trees_against_sequential_decoding(device):
-    """200 steps (30 interpreted); each drafts a random tree per request (1 to
+    """200 steps (30 interpreted or under the sanitizer); each drafts a random tree per request (1 to
     16 nodes, mixed with chains) and accepts a random root path. States after
     every step against sequential float64 decoding of the accepted tokens."""
     rng = random.Random(6)
@@ -259,7 +259,7 @@ def test_long_run_of_random_trees_against_sequential_decoding(device):
     blocks = torch.tensor([1, 2, 3], dtype=torch.int32)
     moved = [t.to(device) for t in (state, correction, key_gate, A_log, dt_bias, blocks)]
     state_d, correction_d, key_gate_d, A_log_d, dt_bias_d, blocks_d = moved
-    for step in range(30 if INTERPRET else 200):
+    for step in range(long_run_steps(200, 30)):
         lens = [rng.randint(1, T) for _ in range(B)]
         shapes = [rng.choice(SHAPES) for _ in range(B)]
         parents = tree_batch(rng, T, lens, shapes)

@@ -75,10 +75,11 @@ LINK_ON_TENSOR_CORES_UP_TO = 8
 
 VERIFY_FORMS = ("token_loop", "closed_form", "tensor_cores", "separate_terms")
 
-# conv_verify convolves inside verify's programs below this many pairs (then one program
-# per request and head holds every V tile); from it, and wherever verify takes the
-# two-kernel form, it launches conv_update's kernel and verify's.
-FUSED_CONV_BELOW_PAIRS = 768
+# conv_verify convolves inside verify's programs (one program per request and head then
+# holds every V tile) below this many pairs, else launches conv_update's kernel and then
+# verify's: none, as the 16-layer step at T = 4 took 221 / 258 / 343 / 486 µs that way at
+# B = 1 / 2 / 4 / 8 against 110 / 151 / 261 / 438 µs with the two kernels (H100).
+FUSED_CONV_BELOW_PAIRS = 0
 
 # ------------------------------------------------------------------ launches
 # Programmatic dependent launch below this batch on sm_90+: 9-13% less for 16 verifies
@@ -102,7 +103,8 @@ class KernelChoices:
     cheap_tf32_split: the two-kernel form splits its 3xTF32 operands with an
         integer add and a mask (1-5% faster at T = 4) rather than Triton's tf32x3.
     fused_conv: conv_verify convolves inside verify's programs (True: wherever
-        the verify form allows) or launches conv_update's kernel first (False).
+        the verify form allows) or launches conv_update's kernel first (False;
+        the default below FUSED_CONV_BELOW_PAIRS).
     """
 
     verify_form: Optional[str] = None
