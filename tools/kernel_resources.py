@@ -27,6 +27,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -141,6 +142,9 @@ def main(argv=None):
     parser.add_argument("--tree", action="store_true",
                         help="the kernels of tree windows (verify, conv_update) and of their "
                              "accepted paths (commit)")
+    parser.add_argument("--fused-conv", action="store_true",
+                        help="also conv_verify's kernel with the convolution inside verify's "
+                             "programs (kernel_choices(fused_conv=True))")
     parser.add_argument("--ttgir", default=None, help="directory to write each kernel's TTGIR")
     parser.add_argument("--sass", action="store_true",
                         help="also SASS instructions per warp and loop body sizes")
@@ -150,7 +154,7 @@ def main(argv=None):
     # Launched as on sm_90 (dispatch.dependent_launch): programmatically below
     # dispatch.PROGRAMMATIC_LAUNCH_BELOW_BATCH requests, with verify's L2 prefetch.
     pdl = args.batch < dispatch.PROGRAMMATIC_LAUNCH_BELOW_BATCH
-    with dispatch.kernel_choices(verify_form=args.verify_form):
+    with dispatch.kernel_choices(verify_form=args.verify_form, fused_conv=args.fused_conv):
         for T in (int(t) for t in args.spec_lens.split(",")):
             R, deferred = args.record_len, args.record_len is not None
             config = dispatch.verify_config(K, V, args.batch * H, T, deferred, args.tree)
@@ -166,6 +170,13 @@ def main(argv=None):
                 cases["fold_plan"] = commit_kernels.fold_plan_launch(T, R, False, False, pdl)
             cases["conv_update"] = conv_kernels.conv_update_launch(H * (2 * K + V), 4, T, True,
                                                                    True, pdl, args.tree)
+            fused = dispatch.conv_verify_config(K, V, args.batch * H, T, deferred, args.tree)
+            if fused is not None:
+                D = H * (2 * K + V)  # only the convolution's width and options are read
+                conv = verify_kernels.FusedConv(None, None, torch.empty(D, 4), torch.empty(D),
+                                                silu=True)
+                cases["conv_verify"] = verify_kernels.verify_launches(
+                    fused, K, V, T, True, pdl, R, deferred, args.tree, conv)["verify"]
             for name, (kernel, constexprs, warps) in cases.items():
                 ttgir = os.path.join(args.ttgir, f"{name}_T{T}.ttgir") if args.ttgir else None
                 report = compile_report(kernel, constexprs, warps, ttgir, args.sass)
