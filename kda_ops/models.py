@@ -111,7 +111,7 @@ class KDADecodeStep(nn.Module):
 
     Methods:
         forward(hidden, query_start_loc, state_indices, caches=None) -> Tensor
-            conv_update + verify for every layer; checkpoints are not modified.
+            conv_verify for every layer; checkpoints are not modified.
         commit(num_accepted_tokens, state_indices, query_start_loc, caches=None)
             one kda_ops.commit for all layers.
         flush(state_indices, caches=None)

@@ -11,7 +11,7 @@ kda_ops' layout (block b + 1 holds sequence b; block 0 is the null block):
     key_gate    [L, B+1, H, T, 2K]     the model's dtype
 
 A forward of S tokens runs its last min(S, T) tokens as a window through
-`conv_update` and `verify`; the tokens before them (a prompt) run in windows
+`conv_verify`; the tokens before them (a prompt) run in windows
 of up to PREFILL_WINDOW tokens that are committed at once. The last window stays pending:
 `crop(-n)` (transformers' rollback after verification) commits its first
 L - n tokens for every KDA layer in one `commit`, and the next forward
@@ -306,7 +306,7 @@ class KDACache(Cache):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def _run_window(self, module, slot: int, hidden_states: Tensor) -> Tensor:
-        """`conv_update` and `verify` of one layer over each sequence's next
+        """`conv_verify` of one layer over each sequence's next
         `hidden_states.shape[1]` tokens (records written, checkpoint read)."""
         state, conv_state, correction, key_gate, indices = self._layer_caches(slot)
         batch, length, _ = hidden_states.shape
@@ -315,14 +315,12 @@ class KDACache(Cache):
         tokens = hidden_states.reshape(batch * length, -1)
         mixed = torch.cat([module.q_proj(tokens), module.k_proj(tokens), module.v_proj(tokens)],
                           dim=-1)
-        mixed = api.conv_update(mixed, conv_state, module.conv1d.weight.squeeze(1),
-                                module.conv1d.bias, windows, indices, activation="silu")
-        q, k, v = (part.view(-1, H, K) for part in mixed.split(H * K, dim=-1))
         gate = module.forget_gate
         raw_gate = gate.f_b_proj(gate.f_a_proj(tokens)).view(-1, H, K)
         A_log, dt_bias = self._gate_parameters(slot)
-        out = api.verify(q, k, v, raw_gate, module.b_proj(tokens), A_log, dt_bias,
-                         state, correction, key_gate, windows, indices)
+        out = api.conv_verify(mixed, conv_state, module.conv1d.weight.squeeze(1),
+                              module.conv1d.bias, raw_gate, module.b_proj(tokens), A_log,
+                              dt_bias, state, correction, key_gate, windows, indices)
         output_gate = module.g_b_proj(module.g_a_proj(tokens)).view(-1, H, K)
         out = module.o_norm(out, output_gate).reshape(batch, length, H * K)
         return module.o_proj(out)
