@@ -436,8 +436,9 @@ class ConvDims:
 
 
 def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indices, activation,
-                      out, parent=None) -> ConvDims:
-    check_devices(x=x, conv_state=conv_state, weight=weight, bias=bias,
+                      out, parent=None, weight_name="weight", bias_name="bias") -> ConvDims:
+    """`weight_name`, `bias_name`: what the public function calls them."""
+    check_devices(x=x, conv_state=conv_state, **{weight_name: weight, bias_name: bias},
                   query_start_loc=query_start_loc, state_indices=state_indices, out=out,
                   parent=parent)
     origin = _float64_origin(x=x, conv_state=conv_state)
@@ -450,20 +451,21 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
                  device=device, written=True, inner_dims=2, dtype_hint=hint)
     _has_null_block("conv_state", conv_state, conv_state.shape[0])
     if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[1] == 1:
-        fail("weight", f"must have shape ({dim}, W), got {_shape(weight)} (an nn.Conv1d "
-              f"weight [D, 1, W]: pass weight.squeeze(1))")
-    check_tensor("weight", weight, shape=(dim, None), dtypes=dtypes, device=device,
+        fail(weight_name, f"must have shape ({dim}, W), got {_shape(weight)} (an nn.Conv1d "
+             f"weight [D, 1, W]: pass {weight_name}.squeeze(1))")
+    check_tensor(weight_name, weight, shape=(dim, None), dtypes=dtypes, device=device,
                  dtype_hint=hint)
     width = weight.shape[1]
     # The history keeps W-1 >= 1 columns, from which commit drops the oldest.
     if width < 2:
-        fail("weight", f"must have shape ({dim}, W) with W >= 2, got {_shape(weight)}")
+        fail(weight_name, f"must have shape ({dim}, W) with W >= 2, got {_shape(weight)}")
     spec_len = conv_state.shape[2] - (width - 1) + 1
     if spec_len < 1:
         fail("conv_state", f"must have W-1+T-1 >= {width - 1} columns for W={width} "
               f"(viewed [N, D, W-1+T-1]), got shape {_shape(conv_state)}")
     if bias is not None:
-        check_tensor("bias", bias, shape=(dim,), dtypes=dtypes, device=device, dtype_hint=hint)
+        check_tensor(bias_name, bias, shape=(dim,), dtypes=dtypes, device=device,
+                     dtype_hint=hint)
     check_activation(activation)
     batch = _request_metadata(query_start_loc, state_indices, device)
     if out is not None:  # conv_verify keeps the outputs to itself
@@ -495,7 +497,7 @@ def check_conv_verify(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_
                       lower_bound, out, pending=None, window_len=None,
                       parent=None) -> ConvVerifyDims:
     conv = check_conv_update(x, conv_state, conv_weight, conv_bias, query_start_loc,
-                             state_indices, activation, None, parent)
+                             state_indices, activation, None, parent, "conv_weight", "conv_bias")
     check_tensor("g", g, ndim=3, dtypes=(x.dtype,), device=x.device, inner_dims=2)
     check_tensor("state", state, ndim=4)
     num_heads, key_dim, value_dim = g.shape[1], g.shape[2], state.shape[2]

@@ -186,6 +186,12 @@ def test_conv_verify_refuses_mismatched_shapes():
                                    conv_state=a["conv_state"][:, :-2]))
     with pytest.raises(ValueError, match="conv_state.*verify's T = 4"):
         kda_ops.conv_verify(**dict(a, conv_state=a["conv_state"][..., :-1]))
+    with pytest.raises(ValueError, match=r"conv_weight.*conv_weight\.squeeze\(1\)"):
+        kda_ops.conv_verify(**dict(a, conv_weight=a["conv_weight"].unsqueeze(1)))
+    with pytest.raises(ValueError, match="conv_bias"):
+        kda_ops.conv_verify(**dict(a, conv_bias=a["conv_bias"][:-1]))
+    with pytest.raises(ValueError, match="`g` must have dtype"):
+        kda_ops.conv_verify(**dict(a, g=a["g"].double()))
 
 
 def test_conv_verify_value_checks_name_the_op():

@@ -80,6 +80,22 @@ def test_conv_update_in_float64(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_conv_verify_in_float64(device):
+    p = problem(device, seed=3)
+    names = ("x", "conv_state", "weight", "bias", "g", "beta", "A_log", "dt_bias", "state",
+             "correction", "key_gate", "query_start_loc", "state_indices")
+    expected_out, expected_conv, expected_corr, expected_kg = naive.conv_verify(
+        *cpu(p, names), lower_bound=-5.0)
+    out = kda_ops.conv_verify(*(p[name] for name in names), lower_bound=-5.0)
+    assert out.dtype == F64
+    written = ~torch.isnan(expected_out)
+    assert_rel_close(out.cpu()[written], expected_out[written], tol=TIGHT, name="out")
+    assert torch.equal(p["conv_state"].cpu(), expected_conv)
+    assert_rel_close(p["correction"].cpu(), expected_corr, tol=TIGHT, name="correction")
+    assert_rel_close(p["key_gate"].cpu(), expected_kg, tol=TIGHT, name="key_gate")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_deferred_schedule_in_float64(device):
     """Verify from pending records, a deferred commit and a flush, in float64."""
     R = 9
