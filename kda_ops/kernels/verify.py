@@ -31,6 +31,10 @@ mostly inside a thread (3 shuffle rounds instead of 5: 3-29% faster).
 Below 8 requests the kernels launch programmatically (dispatch.dependent_launch)
 and each program asks the L2 for its state tile before waiting on the
 previous kernel. The constants below carry the measurements behind them.
+
+conv_verify launches conv_update's kernel and then this one; with
+FUSED_CONV (`kernel_choices(fused_conv=True)`) one program per (request,
+head) first convolves the head's channels itself (`_convolve_head`).
 """
 
 from typing import NamedTuple, Optional
