@@ -498,7 +498,7 @@ def check_conv_verify(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_
                       parent=None) -> ConvVerifyDims:
     conv = check_conv_update(x, conv_state, conv_weight, conv_bias, query_start_loc,
                              state_indices, activation, None, parent, "conv_weight", "conv_bias")
-    check_tensor("g", g, ndim=3, dtypes=(x.dtype,), device=x.device, inner_dims=2)
+    check_tensor("g", g, ndim=3)  # H and K; check_verify checks the rest of g and state
     check_tensor("state", state, ndim=4)
     num_heads, key_dim, value_dim = g.shape[1], g.shape[2], state.shape[2]
     if conv.dim != num_heads * (2 * key_dim + value_dim):

@@ -213,11 +213,11 @@ def decode_bytes(shape):
     return shape.layers * verify_bytes(shape) + commit_bytes(shape, shape.spec_len)
 
 
-def step_bytes(shape, accepted=None, window_bytes=conv_verify_bytes):
-    """Every layer's window (`window_bytes`), then the commit of `accepted`
-    tokens per request (default T)."""
+def step_bytes(shape, accepted=None):
+    """Every layer's conv_verify, then the commit of `accepted` tokens per
+    request (default T)."""
     accepted = shape.spec_len if accepted is None else accepted
-    return shape.layers * window_bytes(shape) + commit_bytes(shape, accepted)
+    return shape.layers * conv_verify_bytes(shape) + commit_bytes(shape, accepted)
 
 
 def record_bytes(shape):

@@ -82,11 +82,8 @@ def _conv_update_kernel(
                                            mask=live_range(offs_d, dim, node < 0), other=0.0)
                     y += taps[WIDTH - 1 - back] * tl.where(node >= 0, from_window.to(tl.float32),
                                                            from_history.to(tl.float32))
-                    on_window = node >= 0
-                    node = tree_parents(parent_ptr, stride_parent, bos, node, processed)
-                    # Past a root the taps read the history backwards from its last column.
-                    col = tl.where(node >= 0, HISTORY + node,
-                                   tl.where(on_window, HISTORY - 1, col - 1))
+                    node, col = up_the_path(parent_ptr, stride_parent, bos, node, col,
+                                            processed, HISTORY)
             else:
                 for j in tl.static_range(WIDTH):
                     y += taps[j] * seq[t + j].to(tl.float32)
@@ -140,17 +137,30 @@ def launch_conv_update(x, conv_state, weight, bias, query_start_loc, state_indic
 
 
 @triton.jit
+def up_the_path(parent_ptr, stride_parent, bos, node, column, processed,
+                HISTORY: tl.constexpr):
+    """One tap further back along tree paths: (the parents of `node`, the
+    column of [history, window] each then reads). Past a root the taps read
+    the history backwards from its last column."""
+    on_window = node >= 0
+    node = tree_parents(parent_ptr, stride_parent, bos, node, processed)
+    return node, tl.where(node >= 0, HISTORY + node,
+                          tl.where(on_window, HISTORY - 1, column - 1))
+
+
+@triton.jit
 def convolve_channels(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, bos, block,
                       processed, first_channel, stride_x_tok, stride_x_dim, stride_conv_blk,
                       stride_conv_dim, stride_conv_col, stride_w_dim, stride_w_tap, stride_bias,
                       stride_y_tok, stride_y_dim, stride_parent, C: tl.constexpr,
                       BC: tl.constexpr, WIDTH: tl.constexpr, BT: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, SILU: tl.constexpr, TREE: tl.constexpr):
-    """conv_update's outputs for channels `first_channel .. + C` of one window's
-    first `processed` tokens, all tokens at once (`[BT, BC]` tiles), written
-    to `y` in its dtype: conv_verify's prologue (one program per request and
-    head). The arithmetic is `_conv_update_kernel`'s, tap by tap. Reads the
-    block's history; the caller shifts it (`shifted_history`) after a barrier."""
+                      BH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                      TREE: tl.constexpr):
+    """conv_update of channels `first_channel .. + C` over one window's first
+    `processed` tokens, all tokens at once (`[BT, BC]` tiles): the outputs
+    into `y` in its dtype, then the history shifted (`BH` >= W-2+T columns):
+    conv_verify's prologue (one program per request and head). The arithmetic
+    is `_conv_update_kernel`'s, tap by tap."""
     HISTORY: tl.constexpr = WIDTH - 1
     steps = tl.arange(0, BT)
     live = steps < processed
@@ -164,19 +174,15 @@ def convolve_channels(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, 
         bias = tl.zeros([BC], dtype=tl.float32)
     y = tl.zeros([BT, BC], dtype=tl.float32) + bias[None, :]
     if TREE:
-        # Tap WIDTH-1-back reads the input `back` nodes up node t's path: its
-        # ancestor `node`, or past the root history column `column`.
+        # Tap WIDTH-1-back reads the input `back` nodes up node t's path.
         node = steps.to(tl.int64)
         column = HISTORY + node
         for back in tl.static_range(WIDTH):
-            column = tl.where(node >= 0, HISTORY + node, column)
             tap = _tap(weight_ptr, offs_c, mask_c, stride_w_dim, stride_w_tap, WIDTH - 1 - back)
             y += tap * _sequence_at(x_cols, state_cols, column, live, mask_c, stride_x_tok,
                                     stride_conv_col, HISTORY)
-            on_window = node >= 0
-            node = tree_parents(parent_ptr, stride_parent, bos, node, processed)
-            # Past a root the taps read the history backwards from its last column.
-            column = tl.where(on_window, HISTORY - 1, column - 1)
+            node, column = up_the_path(parent_ptr, stride_parent, bos, node, column, processed,
+                                       HISTORY)
     else:  # tap j reads position t + j of [history, window]
         for j in tl.static_range(WIDTH):
             tap = _tap(weight_ptr, offs_c, mask_c, stride_w_dim, stride_w_tap, j)
@@ -186,35 +192,17 @@ def convolve_channels(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, 
         y = y * tl.sigmoid(y)
     tl.store(y_ptr + (bos + steps)[:, None] * stride_y_tok + offs_c[None, :] * stride_y_dim,
              y.to(y_ptr.dtype.element_ty), mask=live[:, None] & mask_c[None, :])
-
-
-@triton.jit
-def shifted_history(x_ptr, conv_ptr, bos, block, processed, first_channel, stride_x_tok,
-                    stride_x_dim, stride_conv_blk, stride_conv_dim, stride_conv_col,
-                    C: tl.constexpr, BC: tl.constexpr, WIDTH: tl.constexpr,
-                    BH: tl.constexpr):
-    """The history conv_update leaves for channels `first_channel .. + C`,
-    `[BH, BC]` (column c holds [history, window][c + 1]), and its store mask:
-    columns up to W-3 + processed, none for an empty window. Load it before a
-    barrier, store it after."""
-    HISTORY: tl.constexpr = WIDTH - 1
+    # The history conv_update leaves: column c takes [history, window][c + 1]
+    # up to column W-3 + processed (none for an empty window). Loaded before a
+    # barrier and stored after it, so no thread overwrites a column another
+    # has yet to read.
     columns = tl.arange(0, BH)
-    offs_c = first_channel + tl.arange(0, BC)
-    mask_c = (tl.arange(0, BC) < C)[None, :]
-    source = columns + 1
-    in_window = source >= HISTORY
     written = columns < tl.where(processed > 0, HISTORY - 1 + processed, 0)
-    values = tl.where(
-        in_window[:, None],
-        tl.load(x_ptr + (bos + tl.maximum(source - HISTORY, 0))[:, None] * stride_x_tok
-                + offs_c[None, :] * stride_x_dim,
-                mask=(in_window & written)[:, None] & mask_c, other=0.0),
-        tl.load(conv_ptr + block * stride_conv_blk + offs_c[None, :] * stride_conv_dim
-                + source[:, None] * stride_conv_col,
-                mask=((~in_window) & written)[:, None] & mask_c, other=0.0))
-    at = (conv_ptr + block * stride_conv_blk + offs_c[None, :] * stride_conv_dim
-          + columns[:, None] * stride_conv_col)
-    return values.to(conv_ptr.dtype.element_ty), at, written[:, None] & mask_c
+    shifted = _sequence_at(x_cols, state_cols, columns + 1, written, mask_c, stride_x_tok,
+                           stride_conv_col, HISTORY)
+    tl.debug_barrier()
+    tl.store(state_cols + columns[:, None] * stride_conv_col,
+             shifted.to(conv_ptr.dtype.element_ty), mask=written[:, None] & mask_c[None, :])
 
 
 @triton.jit

@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .conv import convolve_channels, launch_conv_update, shifted_history
+from .._validation import conv_verify_split
+from .conv import convolve_channels, launch_conv_update
 from .common import (block_is_valid, line_starts, link_tokens, live_range, load_window,
                      pending_records, pending_terms, prefetch_block, prefetch_block_rows,
                      tree_window_terms, wait_for_previous_kernel, window_after_records,
@@ -319,44 +320,16 @@ def _convolve_head(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, bos
                    BH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                    TREE: tl.constexpr):
     """conv_update of head h's channels of the window (x is q | k | v, `H K`,
-    `H K` and `H V` channels): the outputs into `y`, then the history shifted.
-    Each group's shifted columns are loaded before a barrier and stored after
-    it, so no thread overwrites a column another has yet to read."""
-    q_first = h * K
-    k_first = (num_heads + h) * K
-    v_first = 2 * num_heads * K + h * V
-    convolve_channels(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, bos, block,
-                      processed, q_first, stride_x_tok, stride_x_dim, stride_conv_blk,
-                      stride_conv_dim, stride_conv_col, stride_w_dim, stride_w_tap, stride_bias,
-                      stride_y_tok, stride_y_dim, stride_parent, K, BK, WIDTH, BT, HAS_BIAS,
-                      SILU, TREE)
-    convolve_channels(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, bos, block,
-                      processed, k_first, stride_x_tok, stride_x_dim, stride_conv_blk,
-                      stride_conv_dim, stride_conv_col, stride_w_dim, stride_w_tap, stride_bias,
-                      stride_y_tok, stride_y_dim, stride_parent, K, BK, WIDTH, BT, HAS_BIAS,
-                      SILU, TREE)
-    convolve_channels(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, bos, block,
-                      processed, v_first, stride_x_tok, stride_x_dim, stride_conv_blk,
-                      stride_conv_dim, stride_conv_col, stride_w_dim, stride_w_tap, stride_bias,
-                      stride_y_tok, stride_y_dim, stride_parent, V, BVH, WIDTH, BT, HAS_BIAS,
-                      SILU, TREE)
-    _shift_history(x_ptr, conv_ptr, bos, block, processed, q_first, stride_x_tok, stride_x_dim,
-                   stride_conv_blk, stride_conv_dim, stride_conv_col, K, BK, WIDTH, BH)
-    _shift_history(x_ptr, conv_ptr, bos, block, processed, k_first, stride_x_tok, stride_x_dim,
-                   stride_conv_blk, stride_conv_dim, stride_conv_col, K, BK, WIDTH, BH)
-    _shift_history(x_ptr, conv_ptr, bos, block, processed, v_first, stride_x_tok, stride_x_dim,
-                   stride_conv_blk, stride_conv_dim, stride_conv_col, V, BVH, WIDTH, BH)
-
-
-@triton.jit
-def _shift_history(x_ptr, conv_ptr, bos, block, processed, first_channel, stride_x_tok,
-                   stride_x_dim, stride_conv_blk, stride_conv_dim, stride_conv_col,
-                   C: tl.constexpr, BC: tl.constexpr, WIDTH: tl.constexpr, BH: tl.constexpr):
-    values, at, written = shifted_history(
-        x_ptr, conv_ptr, bos, block, processed, first_channel, stride_x_tok, stride_x_dim,
-        stride_conv_blk, stride_conv_dim, stride_conv_col, C, BC, WIDTH, BH)
-    tl.debug_barrier()
-    tl.store(at, values, mask=written)
+    `H K` and `H V` channels) into `y`, its history shifted; the three
+    groups' channels are disjoint, so each shifts its own after its barrier."""
+    for group in tl.static_range(3):
+        first = (h + group * num_heads) * K if group < 2 else 2 * num_heads * K + h * V
+        convolve_channels(x_ptr, conv_ptr, weight_ptr, bias_ptr, y_ptr, parent_ptr, bos, block,
+                          processed, first, stride_x_tok, stride_x_dim, stride_conv_blk,
+                          stride_conv_dim, stride_conv_col, stride_w_dim, stride_w_tap,
+                          stride_bias, stride_y_tok, stride_y_dim, stride_parent,
+                          K if group < 2 else V, BK if group < 2 else BVH, WIDTH, BT, BH,
+                          HAS_BIAS, SILU, TREE)
 
 
 def _token_strides(t):
@@ -672,7 +645,7 @@ def launch_conv_verify(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt
     verify_dims = dims.verify
     H, K, V = verify_dims.num_heads, verify_dims.key_dim, verify_dims.value_dim
     convolved = torch.empty_like(x)
-    q, k, v = (part.unflatten(-1, (H, -1)) for part in convolved.split([H * K, H * K, H * V], -1))
+    q, k, v = conv_verify_split(convolved, H, K, V)
     verify_args = (g, beta, A_log, dt_bias, state, correction, key_gate, query_start_loc,
                    state_indices, lower_bound, scale, out, verify_dims, pending, spec_len, parent)
     config = conv_verify_config(K, V, verify_dims.batch * H, spec_len, pending is not None,
