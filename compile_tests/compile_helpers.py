@@ -249,6 +249,9 @@ def op_problems(device, seed=0):
     deferred = dict(commit_args, correction=rand(L, N, H, R, V), key_gate=rand(L, N, H, R, 2 * K),
                     pending=ints([[0, 2, 1, 3, 0, 2], [1, 0, 3, 2, 2, 0]]), spec_len=T)
     problems["commit_deferred"] = (torch.ops.kda_ops.commit.default, deferred)
+    # Counts kept pending at this batch (its default folds every commit).
+    problems["commit_deferred_lazy"] = (torch.ops.kda_ops.commit.default,
+                                        dict(deferred, accepted_path=None, eager_fold=False))
     problems["flush"] = (torch.ops.kda_ops.flush.default, dict(
         state_indices=si, state=deferred["state"], correction=deferred["correction"],
         key_gate=deferred["key_gate"], pending=deferred["pending"], A_log=deferred["A_log"],

@@ -291,12 +291,15 @@ def test_kernel_sources_have_no_backslash():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("eager_fold", [None, False])
 @pytest.mark.parametrize("cache_layout", ["stacked", "per_layer"])
-def test_deferred_schedule_compiles_and_matches_eager(device, cache_layout):
+def test_deferred_schedule_compiles_and_matches_eager(device, cache_layout, eager_fold):
     """The deferred schedule (record_len > spec_len): verify with pending
     records and the deferred commit through Inductor (fullgraph) against eager,
-    pending counts included; then the flush, compiled too."""
-    model = tiny_model(device, record_len=TINY["spec_len"] + 4, cache_layout=cache_layout)
+    pending counts included (eager_fold=None folds every commit at these
+    batches); then the flush, compiled too."""
+    model = tiny_model(device, record_len=TINY["spec_len"] + 4, cache_layout=cache_layout,
+                       eager_fold=eager_fold)
     reference = model_copy(model)
     assert_compiled_steps_match(model, reference)
     blocks = torch.arange(1, model.num_blocks, dtype=torch.int32, device=device)

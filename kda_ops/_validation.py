@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .constants import DEFERRED_EAGER_FOLD_BELOW_BATCH
+
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 # Converted on load, so any floating dtype will do.
@@ -342,6 +344,8 @@ class CommitDims:
     conv_dim: int
     conv_history: int
     float64: bool  # runs the PyTorch path in float64
+    # A deferred commit over fewer requests folds whatever is pending (eager_fold_below).
+    eager_fold_below: int = 0
 
 
 def _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound):
@@ -378,7 +382,8 @@ def _check_layer_caches(state, correction, key_gate, A_log, dt_bias, lower_bound
 def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                  correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
                  block_table, num_computed_tokens, block_size, pending=None,
-                 window_len=None, accepted_path=None) -> tuple[CommitDims, PlanArgs]:
+                 window_len=None, accepted_path=None,
+                 eager_fold=None) -> tuple[CommitDims, PlanArgs]:
     """With `pending`, the deferred schedule: `window_len` (T) is required and
     the records hold `spec_len` = R >= T positions."""
     check_devices(num_accepted_tokens=num_accepted_tokens, state_indices=state_indices,
@@ -412,8 +417,31 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
                          (num_accepted_tokens.shape[0], spec_len), device, pending,
                          "a tree's commit")
     dims = CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, spec_len,
-                      conv_dim, conv_history, origin is not None)
+                      conv_dim, conv_history, origin is not None,
+                      eager_fold_below(eager_fold, pending))
     return dims, plan
+
+
+# eager_fold=True: every batch is below it.
+EVERY_BATCH = 2 ** 31 - 1
+
+
+def check_eager_fold(eager_fold):
+    """Before the op's schema would turn any value into a bool."""
+    if eager_fold is not None and not isinstance(eager_fold, bool):
+        fail("eager_fold", f"must be True, False or None, got {eager_fold!r}")
+
+
+def eager_fold_below(eager_fold, pending):
+    """The batch below which a deferred commit folds whatever is pending
+    (docs/semantics.md#11-the-deferred-schedule): DEFERRED_EAGER_FOLD_BELOW_BATCH
+    for None, every batch for True, none for False."""
+    if eager_fold is None:
+        return DEFERRED_EAGER_FOLD_BELOW_BATCH
+    check_eager_fold(eager_fold)
+    if pending is None:
+        fail("eager_fold", "applies to the deferred schedule only: give it with `pending`")
+    return EVERY_BATCH if eager_fold else 0
 
 
 CONV_ACTIVATIONS = ("silu", None)

@@ -13,8 +13,8 @@ from torch import Tensor
 
 from . import ops as _ops
 from . import value_checks
-from ._validation import (check_activation, check_int, check_int_or_tensor, check_lower_bound,
-                          check_scale)
+from ._validation import (check_activation, check_eager_fold, check_int, check_int_or_tensor,
+                          check_lower_bound, check_scale)
 
 __all__ = ["verify", "commit", "flush", "commit_plan", "CommitPlan", "conv_update",
            "conv_verify", "aligned_state_indices", "stage_spec_decode_metadata"]
@@ -105,7 +105,8 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
            lower_bound: Optional[float] = None, request_indices: Optional[Tensor] = None,
            block_table: Optional[Tensor] = None, num_computed_tokens: Optional[Tensor] = None,
            block_size: Optional[int] = None, pending: Optional[Tensor] = None,
-           spec_len: Optional[int] = None, accepted_path: Optional[Tensor] = None) -> None:
+           spec_len: Optional[int] = None, accepted_path: Optional[Tensor] = None,
+           eager_fold: Optional[bool] = None) -> None:
     """Folds each request's accepted prefix into its checkpoint and compacts
     the convolution history (docs/semantics.md#5-commit), for every layer at
     once (buffers stacked `[L, N, ...]`) or for one layer (4-D buffers).
@@ -141,30 +142,38 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
             root 0); the first `num_accepted_tokens` are folded in that order
             and the history follows them (docs/semantics.md#13-tree-drafts).
             None: chains. Not with `pending`.
+        eager_fold: with `pending`, whether this commit folds whatever is
+            pending, as the immediate schedule does (True), or only what the
+            next window needs (False); None: True below
+            DEFERRED_EAGER_FOLD_BELOW_BATCH requests (8), where that is faster
+            (docs/semantics.md#11-the-deferred-schedule).
     """
     check_lower_bound(lower_bound)
     if block_size is not None:
         check_int("block_size", block_size)
     if spec_len is not None:
         check_int("spec_len", spec_len)
+    check_eager_fold(eager_fold)
     checked = None
     if value_checks.should_check(state, query_start_loc, state_indices):
         checked = value_checks.commit_call(
             num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
             key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
-            num_computed_tokens, block_size, pending, spec_len, accepted_path)
+            num_computed_tokens, block_size, pending, spec_len, accepted_path, eager_fold)
     if spec_len is None and pending is None and isinstance(correction, Tensor) \
             and correction.dim() >= 2:
         # Always given: torch 2.11 drops trailing arguments left at their defaults
         # before it bumps the versions of the written ones, and then cannot find
         # `pending` (an IndexError outside inference mode).
         spec_len = correction.shape[-2]
-    tree = {} if accepted_path is None else dict(accepted_path=accepted_path)
+    # Given only when set, so that calls without them keep their compiled graphs.
+    optional = {name: value for name, value in (("accepted_path", accepted_path),
+                                                ("eager_fold", eager_fold)) if value is not None}
     _ops.commit(num_accepted_tokens, state_indices, query_start_loc, state=state,
                 conv_state=conv_state, correction=correction, key_gate=key_gate, A_log=A_log,
                 dt_bias=dt_bias, lower_bound=lower_bound, request_indices=request_indices,
                 block_table=block_table, num_computed_tokens=num_computed_tokens,
-                block_size=block_size, pending=pending, spec_len=spec_len, **tree)
+                block_size=block_size, pending=pending, spec_len=spec_len, **optional)
     if checked is not None:
         value_checks.commit_done(checked, state)
 

@@ -3,7 +3,8 @@
     python -m kda_ops.bench [--ops verify,commit,commit_align,conv_update,verify_commit,step,
                                    step_compiled,verify_tree,commit_tree]
                             [--batches 1,8,32,...] [--spec-lens 2,4,8]
-                            [--record-lens 12,16] [--acceptance 0.7,1]
+                            [--record-lens 12,16] [--eager-fold default,off]
+                            [--acceptance 0.7,1]
                             [--state-dtypes float32,bfloat16]
                             [--layers 16] [--save runs.csv] [--run NAME] [--plot out.png]
     python -m kda_ops.bench --table runs.csv [--runs NAME,...] [--plot out.png]
@@ -17,7 +18,8 @@ of tree windows, commit of an accepted path: docs/semantics.md#13-tree-drafts,
 each window a balanced binary tree of T nodes, accepting its deepest path, and
 a chain given as a tree, accepting all T). verify_commit and the step ops
 also run the deferred
-schedule with records of each R in `--record-lens`, and with each draft token
+schedule with records of each R in `--record-lens` (with each `--eager-fold`
+choice of commit's `eager_fold`: default, on, off), and with each draft token
 accepted with each probability in `--acceptance`; their bytes follow the
 schedule (schedule_bytes), so each row has its own floor. For each op and shape:
 the median time of one call from CUDA-graph replays of every rotation set's
@@ -49,6 +51,7 @@ import torch
 
 import kda_ops
 from kda_ops._cli import exit_unless_cuda_runs, positive_int
+from kda_ops.constants import DEFERRED_EAGER_FOLD_BELOW_BATCH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,8 @@ class Shape:
     state_dtype: torch.dtype = torch.float32
     # The deferred schedule's record positions R > T (None: the immediate schedule).
     record_len: Optional[int] = None
+    # The deferred commit's eager_fold (None: its default).
+    eager_fold: Optional[bool] = None
     # Each draft token accepted with this probability: a request commits its
     # first token and the run of accepted drafts after it (1: all T tokens).
     acceptance: float = 1.0
@@ -83,6 +88,13 @@ class Shape:
     @property
     def conv_dim(self):
         return self.heads * (2 * self.key_dim + self.value_dim)
+
+    @property
+    def folds_eagerly(self):
+        """Whether each deferred commit folds whatever is pending."""
+        if self.eager_fold is None:
+            return self.batch < DEFERRED_EAGER_FOLD_BELOW_BATCH
+        return self.eager_fold
 
 
 ROTATION_BYTES = 512 << 20  # touched per rotation: well above the 60 MB L2 of an H200
@@ -233,13 +245,16 @@ DRAWS_PER_BLOCK = 8
 def calls_per_index_set(shape):
     """Calls of each index set in one CUDA-graph replay: DRAWS_PER_BLOCK draws
     with acceptance < 1; with every token accepted one, or in the deferred
-    schedule R // T, the commits from one fold to the next. So every replay
+    schedule R // T, the commits from one fold to the next (one where every
+    commit folds). So every replay
     folds each block equally often: replays in different fold phases would
     take different times, and their median would time one phase while the
     bytes count them all."""
     if shape.acceptance < 1:
         return DRAWS_PER_BLOCK
-    return 1 if shape.record_len is None else shape.records // shape.spec_len
+    if shape.record_len is None or shape.folds_eagerly:
+        return 1
+    return shape.records // shape.spec_len
 
 
 def accepted_draws(shape, calls, seed=0):
@@ -263,7 +278,8 @@ def schedule_bytes(shape, draws, sets, pending, window_bytes):
     request) over 16 rounds of the calls after 16 uncounted ones, as the timed
     replays follow the warm-up's: verify reads the pending records, and
     commit reads and writes the state only where it folds (each fold reads
-    its records); the conv history moves at every commit."""
+    its records; every fold where it folds eagerly); the conv history moves
+    at every commit."""
     T, R = shape.spec_len, shape.records
     one = _one_request(shape)
     window = window_bytes(one)
@@ -273,6 +289,7 @@ def schedule_bytes(shape, draws, sets, pending, window_bytes):
         per_call = [sum(window + history + 2 * state + c * record for c in draw) for draw in draws]
         return shape.layers * sum(per_call) / len(draws)
     pending = [list(row) for row in pending]
+    eager = shape.folds_eagerly
 
     def one_round():
         moved = 0
@@ -282,7 +299,7 @@ def schedule_bytes(shape, draws, sets, pending, window_bytes):
                 p = counts[b]
                 total = p + min(accepted, R - p)
                 moved += window + p * record + history
-                if total + T > R:
+                if total > 0 and (eager or total + T > R):
                     moved += 2 * state + total * record
                     total = 0
                 counts[b] = total
@@ -312,6 +329,8 @@ def _commit_buffers(shape, device, N):
     if shape.record_len is not None:  # every layer's counts alike, each leaving room for a window
         counts = torch.randint(0, R - T + 1, (N,), dtype=torch.int32)
         buffers.update(pending=counts.expand(L, N).contiguous().to(device), spec_len=T)
+        if shape.eager_fold is not None:
+            buffers.update(eager_fold=shape.eager_fold)
     return buffers
 
 
@@ -467,37 +486,40 @@ TREE_SHAPES = ("chain", "balanced")
 WHOLE_STEP_OPS = ("verify_commit", "step", "step_compiled")
 
 
-def _variants(op, T, record_lens, acceptances):
+def _variants(op, T, record_lens, acceptances, eager_folds=(None,)):
     """The Shape fields of each row of `op` at window length T: the whole-step
-    ops under both schedules (R > T only) at every acceptance; the tree ops at
-    every tree shape; the others immediate, every token accepted."""
+    ops under both schedules (R > T only, with each eager_fold) at every
+    acceptance; the tree ops at every tree shape; the others immediate, every
+    token accepted."""
     if op in TREE_OPS:
         return [dict(tree=tree) for tree in TREE_SHAPES]
     if op not in WHOLE_STEP_OPS:
         return [{}]
-    lens = [None] + [R for R in record_lens if R > T]
-    return [dict(record_len=R, acceptance=a) for a in acceptances for R in lens]
+    schedules = [dict(record_len=None)] + [dict(record_len=R, eager_fold=eager)
+                                           for R in record_lens if R > T
+                                           for eager in eager_folds]
+    return [dict(schedule, acceptance=a) for a in acceptances for schedule in schedules]
 
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def run(ops, batches, spec_lens, layers, device, record_lens=(), acceptances=(1.0,),
-        state_dtypes=("float32",)):
+        state_dtypes=("float32",), eager_folds=(None,)):
     copy_bw = copy_bandwidth(device)
     rows = []
     shapes = ((op, state, Shape(batch=B, spec_len=T, layers=layers,
                                 state_dtype=STATE_DTYPES[state], **variant))
               for op in ops for T in spec_lens
-              for variant in _variants(op, T, record_lens, acceptances)
+              for variant in _variants(op, T, record_lens, acceptances, eager_folds)
               for state in state_dtypes for B in batches)
     for op, state, shape in shapes:
         calls, moved = SETUPS[op](shape, device)
         us = graph_time_us(calls)
         bw = moved / (us * 1e-6)
         rows.append(dict(op=op, batch=shape.batch, spec_len=shape.spec_len,
-                         record_len=shape.record_len, acceptance=shape.acceptance,
-                         tree=shape.tree, state=state,
+                         record_len=shape.record_len, eager_fold=shape.eager_fold,
+                         acceptance=shape.acceptance, tree=shape.tree, state=state,
                          layers=1 if op in ONE_LAYER_OPS else layers,
                          time_us=us, bytes=moved, bandwidth_gbs=bw / 1e9,
                          fraction_of_copy=bw / copy_bw, floor_us=moved / copy_bw * 1e6))
@@ -518,6 +540,8 @@ def _label(row):
         label += ", chain as a tree" if row["tree"] == "chain" else f", {row['tree']} tree"
     if row.get("record_len") is not None:
         label += f", deferred R = {row['record_len']}"
+        if row.get("eager_fold") is not None:
+            label += f", eager fold {'on' if row['eager_fold'] else 'off'}"
     if row.get("acceptance", 1.0) < 1:
         label += f", a = {row['acceptance']:g}"
     return label
@@ -636,6 +660,18 @@ def _state_dtype_list(text):
     return names
 
 
+EAGER_FOLD_CHOICES = {"default": None, "on": True, "off": False}
+
+
+def _eager_fold_list(text):
+    choices = [choice for choice in text.split(",") if choice]
+    unknown = [choice for choice in choices if choice not in EAGER_FOLD_CHOICES]
+    if unknown or not choices:
+        raise argparse.ArgumentTypeError(
+            f"expected choices of {', '.join(EAGER_FOLD_CHOICES)}, got {text!r}")
+    return [EAGER_FOLD_CHOICES[choice] for choice in choices]
+
+
 def _op_list(text):
     ops = text.split(",")
     unknown = [op for op in ops if op not in SETUPS]
@@ -664,13 +700,23 @@ def save_run(path, name, meta, rows):
                 run=name, gpu=meta["gpu"], torch=meta["torch"], triton=meta["triton"],
                 copy_gbs=repr(meta["copy_bandwidth_gbs"]), commit=meta["commit"],
                 date=meta["date"], op=row["op"],
-                schedule="immediate" if row.get("record_len") is None else "deferred",
+                schedule=_schedule_name(row),
                 tree=row.get("tree") or "", state=row.get("state", "float32"),
                 T=row["spec_len"], B=row["batch"],
                 R="" if row.get("record_len") is None else row["record_len"],
                 a=repr(row.get("acceptance", 1.0)), layers=row["layers"],
                 time_us=repr(row["time_us"]), bytes=repr(row["bytes"]),
                 fraction_of_copy=repr(row["fraction_of_copy"])))
+
+
+SCHEDULES = {"immediate": (False, None), "deferred": (True, None),
+             "deferred, eager fold on": (True, True), "deferred, eager fold off": (True, False)}
+
+
+def _schedule_name(row):
+    """The saved table's schedule of a row: a key of SCHEDULES."""
+    key = (row.get("record_len") is not None, row.get("eager_fold"))
+    return next(name for name, value in SCHEDULES.items() if value == key)
 
 
 def load_runs(path, names=None):
@@ -692,6 +738,7 @@ def load_runs(path, names=None):
                 op=line["op"], tree=line["tree"] or None, state=line["state"],
                 spec_len=int(line["T"]),
                 batch=int(line["B"]), record_len=int(line["R"]) if line["R"] else None,
+                eager_fold=SCHEDULES[line["schedule"]][1],
                 acceptance=float(line["a"]), layers=int(line["layers"]),
                 time_us=float(line["time_us"]), bytes=float(line["bytes"]),
                 fraction_of_copy=float(line["fraction_of_copy"])))
@@ -740,6 +787,12 @@ def main(argv=None):
                         help="comma-separated record positions R > T: verify_commit and the "
                              "step ops also run the deferred schedule with each "
                              "(default: none)")
+    parser.add_argument("--eager-fold", type=_eager_fold_list, default=[None],
+                        metavar="CHOICE,...",
+                        help="with --record-lens: comma-separated eager_fold choices of the "
+                             "deferred commit, each a row: default (below "
+                             f"{DEFERRED_EAGER_FOLD_BELOW_BATCH} requests), on, off "
+                             "(default: default)")
     parser.add_argument("--acceptance", type=_probability_list, default=[1.0],
                         help="comma-separated probabilities that each draft token is accepted, "
                              "for verify_commit and the step ops (default: 1, every token)")
@@ -781,7 +834,7 @@ def main(argv=None):
     device = torch.device("cuda")
     torch.manual_seed(0)
     copy_bw, rows = run(opts.ops, opts.batches, opts.spec_lens, opts.layers, device,
-                        opts.record_lens, opts.acceptance, opts.state_dtypes)
+                        opts.record_lens, opts.acceptance, opts.state_dtypes, opts.eager_fold)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, copy_bandwidth_gbs=copy_bw / 1e9,
                 commit=_commit(), date=time.strftime("%Y-%m-%d"))

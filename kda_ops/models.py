@@ -103,6 +103,9 @@ class KDADecodeStep(nn.Module):
             folds). R > T runs the deferred schedule: commits count accepted
             tokens as pending and fold them when the records run out of room;
             `flush` writes every pending token back.
+        eager_fold: under the deferred schedule, commit's `eager_fold` (None:
+            its default, folding every commit below
+            DEFERRED_EAGER_FOLD_BELOW_BATCH requests).
         use_conv_verify: each layer runs `kda_ops.conv_verify` (default); False:
             `conv_update`, then `verify`.
         seed: seeds the parameter initialisation (CPU generator, so the same
@@ -130,7 +133,8 @@ class KDADecodeStep(nn.Module):
                  hidden_size: Optional[int] = None, dtype: torch.dtype = torch.float32,
                  state_dtype: torch.dtype = torch.float32, conv_layout: str = "dim_first",
                  cache_layout: str = "stacked", lower_bound: Optional[float] = None,
-                 record_len: Optional[int] = None, use_conv_verify: bool = True, seed: int = 0,
+                 record_len: Optional[int] = None, eager_fold: Optional[bool] = None,
+                 use_conv_verify: bool = True, seed: int = 0,
                  device: torch.device | str | None = None):
         super().__init__()
         self.use_conv_verify = use_conv_verify
@@ -145,6 +149,9 @@ class KDADecodeStep(nn.Module):
             raise ValueError(f"record_len must be at least spec_len = {spec_len}, got {record_len}")
         self.record_len = record_len
         self.deferred = record_len > spec_len
+        if eager_fold is not None and not self.deferred:
+            raise ValueError("eager_fold needs the deferred schedule (record_len > spec_len)")
+        self.eager_fold = eager_fold
         self.caches_type = DeferredKDACaches if self.deferred else KDACaches
         L, H, K = num_layers, num_heads, head_dim
         V = K if value_dim is None else value_dim
@@ -195,7 +202,7 @@ class KDADecodeStep(nn.Module):
                       seed: int = 0) -> "KDADecodeStep":
         """A model without projections for a `kda_ops.bench.Shape` (batch,
         spec_len, layers, heads, key_dim, value_dim, conv_width, act_dtype,
-        state_dtype, record_len): engine-like token-first conv state, lower
+        state_dtype, record_len, eager_fold): engine-like token-first conv state, lower
         bound -5, `num_blocks` state blocks (default one per request, N =
         batch + 1), random caches."""
         num_blocks = shape.batch + 1 if num_blocks is None else num_blocks
@@ -203,7 +210,8 @@ class KDADecodeStep(nn.Module):
                     num_blocks, value_dim=shape.value_dim, projections=False,
                     dtype=shape.act_dtype, state_dtype=shape.state_dtype,
                     conv_layout="token_first", lower_bound=-5.0,
-                    record_len=shape.record_len, seed=seed, device=device)
+                    record_len=shape.record_len, eager_fold=shape.eager_fold, seed=seed,
+                    device=device)
         model.randomize_caches(seed)
         return model
 
@@ -370,21 +378,24 @@ class KDADecodeStep(nn.Module):
             api.commit(num_accepted_tokens, state_indices, query_start_loc, state=c.state,
                        conv_state=conv, correction=c.correction, key_gate=c.key_gate,
                        A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
-                       **self._deferred(c, slice(None)))
+                       **self._deferred(c, slice(None), commit=True))
             return
         for layer in range(self.num_layers):
             api.commit(num_accepted_tokens, state_indices, query_start_loc,
                        state=c.state[layer], conv_state=conv[layer],
                        correction=c.correction[layer], key_gate=c.key_gate[layer],
                        A_log=self.A_log[layer], dt_bias=self.dt_bias[layer],
-                       lower_bound=self.lower_bound, **self._deferred(c, layer))
+                       lower_bound=self.lower_bound, **self._deferred(c, layer, commit=True))
 
-    def _deferred(self, caches, layer) -> dict:
-        """The deferred schedule's arguments of verify and commit for `layer`
+    def _deferred(self, caches, layer, commit=False) -> dict:
+        """The deferred schedule's arguments of verify (or commit) for `layer`
         (an index or a slice); none under the immediate schedule."""
         if not self.deferred:
             return {}
-        return dict(pending=caches.pending[layer], spec_len=self.spec_len)
+        args = dict(pending=caches.pending[layer], spec_len=self.spec_len)
+        if commit and self.eager_fold is not None:
+            args.update(eager_fold=self.eager_fold)
+        return args
 
     def flush(self, state_indices: Tensor, caches: Optional[KDACaches] = None) -> None:
         """Under the deferred schedule, folds the pending records of the blocks
@@ -433,6 +444,7 @@ class KDADecodeStep(nn.Module):
                 f"projections={self.projections}, hidden={self.hidden_size}, dtype={self.dtype}, "
                 f"conv_layout={self.conv_layout}, cache_layout={self.cache_layout}, "
                 f"lower_bound={self.lower_bound}, record_len={self.record_len}, "
+                f"eager_fold={self.eager_fold}, "
                 f"use_conv_verify={self.use_conv_verify}")
 
 

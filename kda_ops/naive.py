@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .constants import NULL_BLOCK
+from .constants import DEFERRED_EAGER_FOLD_BELOW_BATCH, NULL_BLOCK
 
 
 def gate(raw_g, dt_bias, A_log, lower_bound):
@@ -168,9 +168,11 @@ def commit_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
 def commit(num_accepted_tokens, state_indices, query_start_loc, *, state, conv_state,
            correction, key_gate, A_log, dt_bias, lower_bound=None, request_indices=None,
            block_table=None, num_computed_tokens=None, block_size=None, pending=None,
-           spec_len=None, accepted_path=None):
+           spec_len=None, accepted_path=None, eager_fold=None):
     """Returns (state, conv_state) as commit must leave them (float64 state);
-    with `pending`, the deferred schedule: (state, conv_state, pending). With
+    with `pending`, the deferred schedule: (state, conv_state, pending),
+    folding whatever is pending with `eager_fold` (None: below
+    DEFERRED_EAGER_FOLD_BELOW_BATCH requests). With
     `accepted_path` ([rows, *] window positions), the records of the path's
     nodes are folded in its order and the history follows the path
     (docs/semantics.md#13-tree-drafts)."""
@@ -178,7 +180,9 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, *, state, conv_s
         return _commit_deferred(
             num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
             key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
-            num_computed_tokens, block_size, pending, spec_len)
+            num_computed_tokens, block_size, pending, spec_len,
+            len(state_indices) < DEFERRED_EAGER_FOLD_BELOW_BATCH if eager_fold is None
+            else eager_fold)
     stacked = state.dim() == 5
     states = state.double().clone() if stacked else state.double().clone()[None]
     corr = correction if stacked else correction[None]
@@ -235,9 +239,11 @@ def _without_layers(t, stacked):
     return t if stacked else t[0]
 
 
-def _deferred_plan(p, accepted, window, capacity, spec_len, src, table, computed, block_size):
+def _deferred_plan(p, accepted, window, capacity, spec_len, src, table, computed, block_size,
+                   eager):
     """For one request and layer with `p` pending tokens: (total, fold_now,
-    final, boundary, recovery), recovery counted from the checkpoint."""
+    final, boundary, recovery), recovery counted from the checkpoint; `eager`
+    folds whatever is pending."""
     c = min(max(accepted, 0), window, capacity - p)
     total = p + c
     final, boundary, recovery, crosses = src, NULL_BLOCK, 0, False
@@ -251,13 +257,13 @@ def _deferred_plan(p, accepted, window, capacity, spec_len, src, table, computed
         crosses = start + total >= next_boundary
         if crosses:
             boundary = int(table[min(next_boundary // block_size - 1, width - 1)])
-    fold_now = total > 0 and (total + spec_len > capacity or crosses or final != src)
+    fold_now = total > 0 and (eager or total + spec_len > capacity or crosses or final != src)
     return c, total, fold_now, final, boundary, recovery
 
 
 def _commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                      correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
-                     block_table, num_computed_tokens, block_size, pending, spec_len):
+                     block_table, num_computed_tokens, block_size, pending, spec_len, eager):
     stacked = state.dim() == 5
     states, corr, kg = (_with_layers(t, stacked)
                         for t in (state.double().clone(), correction, key_gate))
@@ -282,7 +288,7 @@ def _commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state,
             p = min(max(int(original_counts[layer, src]), 0), R)
             c, total, fold_now, final, boundary, recovery = _deferred_plan(
                 p, int(num_accepted_tokens[r]), window, R, spec_len, src, table, computed,
-                block_size)
+                block_size, eager)
             if total == 0:
                 continue
             if not fold_now:

@@ -117,12 +117,12 @@ def commit(
     request_indices: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
     num_computed_tokens: Optional[Tensor] = None, block_size: Optional[int] = None,
     pending: Optional[Tensor] = None, spec_len: Optional[int] = None,
-    accepted_path: Optional[Tensor] = None,
+    accepted_path: Optional[Tensor] = None, eager_fold: Optional[bool] = None,
 ) -> None:
     dims, plan = check_commit(num_accepted_tokens, state_indices, query_start_loc, state,
                               conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
                               request_indices, block_table, num_computed_tokens, block_size,
-                              pending, spec_len, accepted_path)
+                              pending, spec_len, accepted_path, eager_fold)
     if runs_triton(state, dims):
         launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                       correction, key_gate, A_log, dt_bias, lower_bound, request_indices,

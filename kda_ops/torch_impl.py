@@ -377,10 +377,11 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_stat
 
 def deferred_plan(num_accepted_tokens, state_indices, query_start_loc, pending_rows, capacity,
                   spec_len, request_indices, block_table, num_computed_tokens, block_size,
-                  num_blocks):
+                  num_blocks, eager):
     """docs/semantics.md#11-the-deferred-schedule per request, for one layer's
-    pending counts `pending_rows [B]` (int64): (accepted c, total, fold_now,
-    final, boundary, recovery from the checkpoint), int64 / bool [B] each."""
+    pending counts `pending_rows [B]` (int64), folding whatever is pending where
+    `eager` (a bool or a bool tensor): (accepted c, total, fold_now, final,
+    boundary, recovery from the checkpoint), int64 / bool [B] each."""
     window, row, row_ok, accepted = _request_rows(num_accepted_tokens, state_indices,
                                                   query_start_loc, request_indices, block_table)
     source = state_indices.long()
@@ -395,7 +396,8 @@ def deferred_plan(num_accepted_tokens, state_indices, query_start_loc, pending_r
         table, computed = _table_rows(block_table, num_computed_tokens, row)
         start = (computed - first).clamp(min=0)  # the checkpoint holds the tokens before it
         final, boundary, recovery, crosses = _align_plan(table, start, total, block_size)
-    fold_now = (total > 0) & ((total + spec_len > capacity) | crosses | (final != source))
+    fold_now = (total > 0) & ((total + spec_len > capacity) | crosses | (final != source)
+                              | eager)
     return c, total, fold_now, final, boundary, recovery
 
 
@@ -405,7 +407,8 @@ def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, 
     """The deferred commit: per layer and request, count the accepted tokens
     as pending, or fold every pending token into the checkpoint when the next
     window would not fit, in align mode also when the fold crosses a block or
-    leaves the checkpoint's block (docs/semantics.md#11-the-deferred-schedule)."""
+    leaves the checkpoint's block, and always below dims.eager_fold_below
+    requests (docs/semantics.md#11-the-deferred-schedule)."""
     if state_indices.shape[0] == 0:
         return
     capacity = dims.spec_len
@@ -418,11 +421,13 @@ def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, 
     A5 = A_log.reshape(dims.num_layers, dims.num_heads)
     dt5 = dt_bias.reshape(dims.num_layers, dims.num_heads, K)
     history = dims.conv_history
+    # The batch compared as a tensor: a traced batch gains no guard.
+    eager = source.new_ones(source.shape).sum() < dims.eager_fold_below
     for layer in range(dims.num_layers):
         c, total, fold_now, final, boundary, recovery = deferred_plan(
             num_accepted_tokens, state_indices, query_start_loc, counts[layer].long()[safe_source],
             capacity, spec_len, request_indices, block_table, num_computed_tokens, block_size,
-            dims.num_blocks)
+            dims.num_blocks, eager)
         first = total - c
         S, at_boundary = _fold_records(
             state5[layer, safe_source].to(precision(state)), corr5[layer, safe_source],

@@ -478,11 +478,12 @@ def _layer_plans(dims, window_len, metadata, block_size, counts):
             accepted, source, starts, window_len, requests, table, computed, block_size)
         return [(commit_len, commit_len > 0, final, boundary)]
     safe_source = torch.where((source > 0) & (source < dims.num_blocks), source, 0)
+    eager = source.shape[0] < dims.eager_fold_below
     plans = []
     for layer_counts in counts:
         _, total, fold, final, boundary, _ = torch_impl.deferred_plan(
             accepted, source, starts, layer_counts[safe_source], dims.spec_len, window_len,
-            requests, table, computed, block_size, dims.num_blocks)
+            requests, table, computed, block_size, dims.num_blocks, eager)
         plans.append((total, fold, final, boundary))
     return plans
 
@@ -490,12 +491,12 @@ def _layer_plans(dims, window_len, metadata, block_size, counts):
 def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                 correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
                 block_table, num_computed_tokens, block_size, pending, spec_len,
-                accepted_path=None):
+                accepted_path=None, eager_fold=None):
     """Checks before commit; returns what `commit_done` checks after it."""
     dims, plan = check_commit(num_accepted_tokens, state_indices, query_start_loc, state,
                               conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
                               request_indices, block_table, num_computed_tokens, block_size,
-                              pending, spec_len, accepted_path)
+                              pending, spec_len, accepted_path, eager_fold)
     window_len = dims.spec_len if spec_len is None else spec_len  # T, not the records' R
     indices, lengths = _check_plan_values(num_accepted_tokens, state_indices, query_start_loc,
                                           window_len, request_indices, dims.num_blocks)

@@ -116,13 +116,18 @@ def test_schedule_bytes_follow_the_pending_records():
     """T = 3, R = 7, every token accepted, nothing pending at first: commits
     alternate between leaving 3 tokens pending and folding 6, so a call moves
     on average one window, the history, 1.5 pending records read by verify,
-    and half a fold (state read and written, 6 records read)."""
+    and half a fold (state read and written, 6 records read). Folding eagerly
+    (eager_fold's default at one request), each commit folds its 3."""
     shape = bench.Shape(batch=1, spec_len=3, layers=2, heads=2, key_dim=8, value_dim=8,
-                        record_len=7)
-    one_layer = (bench.verify_bytes(shape) + 2 * bench._conv_history_bytes(shape)
-                 + 1.5 * bench.record_bytes(shape)
-                 + (2 * bench._state_block_bytes(shape) + 6 * bench.record_bytes(shape)) / 2)
+                        record_len=7, eager_fold=False)
+    window = bench.verify_bytes(shape) + 2 * bench._conv_history_bytes(shape)
+    state, record = bench._state_block_bytes(shape), bench.record_bytes(shape)
+    one_layer = window + 1.5 * record + (2 * state + 6 * record) / 2
     assert bench.schedule_bytes(shape, [[3]], 1, [[0]], bench.verify_bytes) == 2 * one_layer
+    eager = dataclasses.replace(shape, eager_fold=None)
+    assert eager.folds_eagerly
+    assert bench.schedule_bytes(eager, [[3]], 1, [[0]], bench.verify_bytes) == \
+        2 * (window + 2 * state + 3 * record)
     immediate = dataclasses.replace(shape, record_len=None)
     assert bench.schedule_bytes(immediate, [[3]], 1, None, bench.conv_verify_bytes) == \
         bench.step_bytes(immediate)
@@ -143,7 +148,7 @@ def test_deferred_setups_run_the_schedule(op, monkeypatch):
     move), with acceptance < 1 over several draws per index set."""
     import kda_ops.api
 
-    shape = dataclasses.replace(SHAPE, record_len=7, acceptance=0.7)
+    shape = dataclasses.replace(SHAPE, record_len=7, acceptance=0.7, eager_fold=False)
     counts = []
     real_commit = kda_ops.api.commit
 
@@ -161,15 +166,19 @@ def test_deferred_setups_run_the_schedule(op, monkeypatch):
     assert moved < expected_bytes(SHAPE, op)
 
 
+@pytest.mark.parametrize("eager_fold", [False, None])
 @pytest.mark.parametrize("spec_len, record_len", [(3, 5), (3, 7), (2, 7), (3, 12)])
-def test_every_replay_folds_each_block_once(spec_len, record_len, monkeypatch):
+def test_every_replay_folds_each_block_once(spec_len, record_len, eager_fold, monkeypatch):
     """With every token accepted, one replay of the deferred calls commits each
-    block R // T times: from the second replay on, each folds exactly once per
-    replay (a fold leaves no record pending), so replays take equal times."""
+    block R // T times (once where every commit folds, eager_fold's default at
+    this batch): from the second replay on, each folds exactly once per replay
+    (a fold leaves no record pending), so replays take equal times."""
     import kda_ops.api
 
     monkeypatch.setattr(bench, "MAX_ROTATION_SETS", 2)
-    shape = dataclasses.replace(SHAPE, spec_len=spec_len, record_len=record_len)
+    shape = dataclasses.replace(SHAPE, spec_len=spec_len, record_len=record_len,
+                                eager_fold=eager_fold)
+    assert shape.folds_eagerly == (eager_fold is None)
     folded = []
     real_commit = kda_ops.api.commit
 
@@ -180,7 +189,7 @@ def test_every_replay_folds_each_block_once(spec_len, record_len, monkeypatch):
     monkeypatch.setattr(bench.kda_ops, "commit", commit)
     monkeypatch.setattr(bench.kda_ops, "verify", lambda *args, **kwargs: None)  # reads only
     calls, _ = bench.SETUPS["verify_commit"](shape, "cpu")
-    assert len(calls) == 2 * (record_len // spec_len)
+    assert len(calls) == 2 * (1 if eager_fold is None else record_len // spec_len)
     for replay in range(3):
         folded.clear()
         for call in calls:
@@ -198,6 +207,7 @@ def test_every_replay_folds_each_block_once(spec_len, record_len, monkeypatch):
     (["--acceptance", "1.5"], "--acceptance"),
     (["--record-lens", "0"], "--record-lens"),
     (["--state-dtypes", "float32,float16"], "--state-dtypes"),
+    (["--eager-fold", "default,sometimes"], "--eager-fold"),
 ])
 def test_command_line_rejects_bad_values_naming_the_argument(argv, argument, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -250,16 +260,17 @@ def test_table_rejects_a_file_that_is_not_a_table_of_runs(tmp_path, capsys):
 
 def test_saved_runs_round_trip(tmp_path):
     """Two runs appended to one table come back as they were saved: the
-    schedule, tree, state dtype and acceptance of each row, each run's GPU,
+    schedule (eager fold included), tree, state dtype and acceptance of each row, each run's GPU,
     versions, commit and date."""
     meta = dict(META, commit="abc1234", date="2026-12-07")
-    first = [dict(op="step", batch=8, spec_len=4, record_len=12, acceptance=0.7, tree=None,
-                  state="bfloat16", layers=16, time_us=123.456789, bytes=1.5e9,
-                  fraction_of_copy=0.812345),
-             dict(op="verify_tree", batch=1, spec_len=16, record_len=None, acceptance=1.0,
-                  tree="balanced", state="float32", layers=1, time_us=23.4, bytes=2244736,
-                  fraction_of_copy=0.05)]
-    second = [dict(first[0], batch=64, time_us=1000.0)]
+    first = [dict(op="step", batch=8, spec_len=4, record_len=12, eager_fold=None,
+                  acceptance=0.7, tree=None, state="bfloat16", layers=16, time_us=123.456789,
+                  bytes=1.5e9, fraction_of_copy=0.812345),
+             dict(op="verify_tree", batch=1, spec_len=16, record_len=None, eager_fold=None,
+                  acceptance=1.0, tree="balanced", state="float32", layers=1, time_us=23.4,
+                  bytes=2244736, fraction_of_copy=0.05)]
+    second = [dict(first[0], batch=64, time_us=1000.0),
+              dict(first[0], eager_fold=False), dict(first[0], eager_fold=True)]
     path = tmp_path / "runs.csv"
     bench.save_run(path, "first", meta, first)
     bench.save_run(path, "second", meta | {"gpu": "GPU Y"}, second)

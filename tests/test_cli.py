@@ -52,7 +52,8 @@ def test_usage_names_the_module_to_run(module):
 
 @pytest.mark.parametrize("module, options", [
     ("kda_ops", ["--device", "--steps", "--batch", "--record-len"]),
-    ("kda_ops.bench", ["--ops", "--batches", "--spec-lens", "--record-lens", "--acceptance",
+    ("kda_ops.bench", ["--ops", "--batches", "--spec-lens", "--record-lens", "--eager-fold",
+                       "--acceptance",
                        "--state-dtypes", "--layers", "--save", "--run", "--plot", "--table",
                        "--runs"]),
 ])

@@ -44,8 +44,11 @@ def advance(S, k, v, g, beta, A_log, dt_bias, lower_bound, count):
                                     dt_bias[h], lower_bound, K ** -0.5)
 
 
+@pytest.mark.parametrize("eager_fold", [False, None])
 @pytest.mark.parametrize("T, R", [(3, 3), (3, 7), (4, 9), (2, 8)])
-def test_naive_deferred_matches_sequential_decoding(T, R):
+def test_naive_deferred_matches_sequential_decoding(T, R, eager_fold):
+    """Outputs every step and states after each flush; eager_fold=None folds
+    every commit at this batch of 3 (nothing stays pending)."""
     gen = torch.Generator().manual_seed(T * 100 + R)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     N, B, lower_bound = 6, 3, -5.0
@@ -55,6 +58,7 @@ def test_naive_deferred_matches_sequential_decoding(T, R):
     correction, key_gate = rand(N, H, R, V), rand(N, H, R, 2 * K)
     pending = torch.zeros(N, dtype=torch.int32)
     blocks = torch.tensor([1, 2, 3], dtype=torch.int32)
+    steps_left_pending = 0
     for step in range(200):
         accepted, qsl, q, k, g, v, beta = random_step(gen, B, T)
         out, correction, key_gate = naive.verify(
@@ -70,8 +74,9 @@ def test_naive_deferred_matches_sequential_decoding(T, R):
         state, _, pending = naive.commit(
             accepted.int(), blocks, qsl, state=state, conv_state=None, correction=correction,
             key_gate=key_gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            pending=pending, spec_len=T)
+            pending=pending, spec_len=T, eager_fold=eager_fold)
         assert int(pending.max()) + T <= R, "the next window would not fit"
+        steps_left_pending += int(pending.max()) > 0
         if step % 37 == 5:  # a request flushed mid-run (e.g. preempted): its state is exact
             flushed = blocks[step % B:step % B + 1]
             state, pending = naive.flush(flushed, state=state, correction=correction,
@@ -86,6 +91,10 @@ def test_naive_deferred_matches_sequential_decoding(T, R):
                                  lower_bound=lower_bound)
     for block in blocks.tolist():
         torch.testing.assert_close(state[block], torch.stack(truth[block]), rtol=1e-9, atol=1e-9)
+    if eager_fold is None or R == T:
+        assert steps_left_pending == 0
+    else:
+        assert steps_left_pending > 100, "most commits must leave tokens pending"
 
 
 @pytest.mark.parametrize("T, R, block_size", [(3, 3, 4), (3, 8, 4), (2, 6, 5), (4, 9, 4)])
@@ -120,7 +129,7 @@ def test_naive_deferred_align_mode_keeps_every_finished_block_exact(T, R, block_
             accepted.int(), blocks, qsl, state=state, conv_state=None, correction=correction,
             key_gate=key_gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             block_table=table, num_computed_tokens=computed, block_size=block_size,
-            pending=pending, spec_len=T)
+            pending=pending, spec_len=T, eager_fold=False)
         for b in range(B):
             window = slice(int(qsl[b]), int(qsl[b + 1]))
             before = int(computed[b])
@@ -178,11 +187,12 @@ def deferred_problem(seed, *, stacked, align, T=3, R=7, N=24, L=2, D=12, W=4, bl
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("align", [False, True])
 @pytest.mark.parametrize("value_dim", [V, 40])
-def test_deferred_ops_match_the_reference(stacked, align, value_dim, device):
+@pytest.mark.parametrize("eager_fold", [False, None])
+def test_deferred_ops_match_the_reference(stacked, align, value_dim, eager_fold, device):
     """verify with pending records and the deferred commit, through the ops,
     against the float64 reference: outputs, records, states, conv history and
     pending counts; V = 40 spans two state tiles of the kernels, the last one
-    partial."""
+    partial. eager_fold=None folds everything pending at this batch of 6."""
     import kda_ops
     from helpers import assert_rel_close
 
@@ -208,7 +218,8 @@ def test_deferred_ops_match_the_reference(stacked, align, value_dim, device):
 
     commit_kwargs = dict(state=a["state"], conv_state=a["conv_state"],
                          correction=a["correction"], key_gate=a["key_gate"], A_log=a["A_log"],
-                         dt_bias=a["dt_bias"], lower_bound=-5.0, spec_len=T, **align_args)
+                         dt_bias=a["dt_bias"], lower_bound=-5.0, spec_len=T,
+                         eager_fold=eager_fold, **align_args)
     on_cpu = lambda kwargs: {name: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
                              for name, t in kwargs.items()}
     expected_state, expected_conv, expected_pending = naive.commit(
@@ -220,7 +231,13 @@ def test_deferred_ops_match_the_reference(stacked, align, value_dim, device):
     assert torch.equal(pending.cpu(), expected_pending)
     assert torch.equal(a["conv_state"].cpu(), expected_conv)
     assert_rel_close(a["state"].cpu(), expected_state.float(), name="state")
-    assert not torch.equal(pending, torch.zeros_like(pending)), "something must stay pending"
+    committed = a["state_indices"][(a["state_indices"] > 0)
+                                   & (a["state_indices"] < pending.shape[-1])].long()
+    left_pending = pending[..., committed]
+    if eager_fold is None:
+        assert not left_pending.any(), "every commit folds below the eager batch"
+    elif not align:  # here every align-mode request crosses a block and folds
+        assert left_pending.any(), "something must stay pending"
 
     flush_kwargs = dict(state=a["state"], correction=a["correction"], key_gate=a["key_gate"],
                         A_log=a["A_log"], dt_bias=a["dt_bias"], lower_bound=-5.0)
@@ -231,9 +248,11 @@ def test_deferred_ops_match_the_reference(stacked, align, value_dim, device):
     assert_rel_close(a["state"].cpu(), expected_state.float(), name="flushed state")
 
 
+@pytest.mark.parametrize("eager_fold", [False, None])
 @pytest.mark.parametrize("cache_layout", ["stacked", "per_layer"])
-def test_model_schedules_agree_over_a_long_run(cache_layout):
-    """KDADecodeStep with record_len = R > T against the immediate schedule,
+def test_model_schedules_agree_over_a_long_run(cache_layout, eager_fold):
+    """KDADecodeStep with record_len = R > T (eager_fold=None: folding every
+    commit at this batch of 3) against the immediate schedule,
     200 steps (18 interpreted or under the sanitizer, both flushes) of ragged windows and random
     acceptance (0 to L) with conv history and projections, requests flushed
     mid-run: the same outputs every step, the same conv history, and the same
@@ -246,7 +265,7 @@ def test_model_schedules_agree_over_a_long_run(cache_layout):
     kwargs = dict(num_layers=layers, num_heads=2, head_dim=8, spec_len=T, num_blocks=8,
                   cache_layout=cache_layout, lower_bound=-5.0)
     immediate = KDADecodeStep(**kwargs)
-    deferred = KDADecodeStep(**kwargs, record_len=R)
+    deferred = KDADecodeStep(**kwargs, record_len=R, eager_fold=eager_fold)
     immediate.randomize_caches(9)
     deferred.randomize_caches(9)  # random records too; nothing pending at the start
     for name, buffer in deferred.named_buffers():
@@ -327,6 +346,26 @@ def test_spec_len_misuse_names_the_argument(op):
     call(spec_len=R)  # the immediate schedule's T, spelled out
 
 
+def test_eager_fold_misuse_names_the_argument():
+    """eager_fold is a bool of the deferred schedule's commit."""
+    import kda_ops
+    from kda_ops.models import KDADecodeStep
+
+    T, R = 3, 7
+    a, _ = deferred_problem(6, stacked=False, align=False, T=T, R=R)
+
+    def call(**kw):
+        kda_ops.commit(a["accepted"], a["state_indices"], a["query_start_loc"], state=a["state"],
+                       correction=a["correction"], key_gate=a["key_gate"], A_log=a["A_log"],
+                       dt_bias=a["dt_bias"], **kw)
+    with pytest.raises(ValueError, match="`eager_fold` applies to the deferred schedule only"):
+        call(eager_fold=True)
+    with pytest.raises(ValueError, match="`eager_fold` must be True, False or None, got 1"):
+        call(pending=a["pending"], spec_len=T, eager_fold=1)
+    with pytest.raises(ValueError, match="eager_fold needs the deferred schedule"):
+        KDADecodeStep(spec_len=T, eager_fold=False)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("align", [False, True])
 def test_deferred_ops_follow_the_reference_over_a_long_run(align, device):
@@ -337,7 +376,9 @@ def test_deferred_ops_follow_the_reference_over_a_long_run(align, device):
     align mode windows crossing block boundaries. Outputs, pending counts and
     the conv history every step; every state after each step and each flush.
     The Triton commit alternates its two forms (a program per tile; the fold
-    plan and its persistent grid) from step to step."""
+    plan and its persistent grid) from step to step; every fourth commit folds
+    eagerly (eager_fold's default at this batch of 3), the others only when the
+    records run out of room."""
     import kda_ops
     from helpers import assert_rel_close
 
@@ -393,8 +434,10 @@ def test_deferred_ops_follow_the_reference_over_a_long_run(align, device):
             assert_rel_close(out.cpu(), expected_out.float(), name=f"out, step {step}")
         align_args = (dict(block_table=table, num_computed_tokens=computed,
                            block_size=block_size) if align else {})
+        eager_fold = None if step % 4 == 3 else False
         commit_args = dict(correction=reference["correction"], key_gate=reference["key_gate"],
-                           A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, spec_len=T)
+                           A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, spec_len=T,
+                           eager_fold=eager_fold)
         reference["state"], reference["conv_state"], reference["pending"] = naive.commit(
             accepted.int(), blocks, qsl, state=reference["state"],
             conv_state=reference["conv_state"], pending=reference["pending"], **commit_args,
@@ -404,10 +447,12 @@ def test_deferred_ops_follow_the_reference_over_a_long_run(align, device):
                            state=ours["state"], conv_state=ours["conv_state"],
                            correction=ours["correction"], key_gate=ours["key_gate"],
                            A_log=A_dev, dt_bias=dt_dev, lower_bound=-5.0,
-                           pending=ours["pending"], spec_len=T,
+                           pending=ours["pending"], spec_len=T, eager_fold=eager_fold,
                            **{name: t.to(device) if isinstance(t, torch.Tensor) else t
                               for name, t in align_args.items()})
         steps_left_pending += int(reference["pending"].sum() > 0)
+        if eager_fold is None:
+            assert not reference["pending"][:, blocks[blocks > 0].long()].any()
         live = blocks > 0
         computed += torch.where(live, torch.minimum(accepted, qsl[1:] - qsl[:-1]), 0).int()
         if step % 25 == 24:  # a request finishes: flushed, then a new one takes its slot

@@ -32,6 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kda_ops.constants import DEFERRED_EAGER_FOLD_BELOW_BATCH
 from kda_ops.kernels import commit as commit_kernels
 from kda_ops.kernels import conv as conv_kernels
 from kda_ops.kernels import dispatch
@@ -157,20 +158,24 @@ def main(argv=None):
     with dispatch.kernel_choices(verify_form=args.verify_form, fused_conv=args.fused_conv):
         for T in (int(t) for t in args.spec_lens.split(",")):
             R, deferred = args.record_len, args.record_len is not None
-            config = dispatch.verify_config(K, V, args.batch * H, T, deferred, args.tree)
+            pending_forms = dispatch.expects_pending(deferred, args.batch)
+            eager_fold_below = DEFERRED_EAGER_FOLD_BELOW_BATCH if deferred else 0
+            config = dispatch.verify_config(K, V, args.batch * H, T, pending_forms, args.tree)
             cases = dict(verify_kernels.verify_launches(config, K, V, T, True, pdl, R, deferred,
                                                         args.tree))
             for name, align in (("commit_state", False), ("commit_align", True)):
-                cases[name] = commit_kernels.commit_state_launch(K, V, H, T, True, False, align,
-                                                                 pdl, R, deferred,
-                                                                 tree=args.tree)
+                cases[name] = commit_kernels.commit_state_launch(
+                    K, V, H, T, True, False, align, pdl, R, deferred, tree=args.tree,
+                    eager_fold_below=eager_fold_below)
             if deferred:
                 cases["commit_listed"] = commit_kernels.commit_state_launch(
-                    K, V, H, T, True, False, False, pdl, R, deferred, listed=True)
-                cases["fold_plan"] = commit_kernels.fold_plan_launch(T, R, False, False, pdl)
+                    K, V, H, T, True, False, False, pdl, R, deferred, listed=True,
+                    eager_fold_below=eager_fold_below)
+                cases["fold_plan"] = commit_kernels.fold_plan_launch(T, R, False, False, pdl,
+                                                                     eager_fold_below)
             cases["conv_update"] = conv_kernels.conv_update_launch(H * (2 * K + V), 4, T, True,
                                                                    True, pdl, args.tree)
-            fused = dispatch.conv_verify_config(K, V, args.batch * H, T, deferred, args.tree)
+            fused = dispatch.conv_verify_config(K, V, args.batch * H, T, pending_forms, args.tree)
             if fused is not None:
                 D = H * (2 * K + V)  # only the convolution's width and options are read
                 conv = verify_kernels.FusedConv(None, None, torch.empty(D, 4), torch.empty(D),

@@ -87,12 +87,14 @@ def _plan(b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, comp
 
 
 @triton.jit
-def folds_now(total, boundary_col, final, source, SPEC_LEN: tl.constexpr,
-              RECORDS: tl.constexpr):
-    """Whether a deferred commit writes the fold back: when the next window
-    would not fit after the pending records, and in align mode when the fold
-    crosses a block boundary or its last token leaves the checkpoint's block."""
-    return (total > 0) & ((total + SPEC_LEN > RECORDS) | (boundary_col >= 0) | (final != source))
+def folds_now(total, boundary_col, final, source, batch, SPEC_LEN: tl.constexpr,
+              RECORDS: tl.constexpr, EAGER_FOLD_BELOW: tl.constexpr):
+    """Whether a deferred commit over `batch` requests writes the fold back:
+    when the next window would not fit after the pending records, in align mode
+    when the fold crosses a block boundary or its last token leaves the
+    checkpoint's block, and always below EAGER_FOLD_BELOW requests."""
+    return (total > 0) & ((total + SPEC_LEN > RECORDS) | (boundary_col >= 0) | (final != source)
+                          | (batch < EAGER_FOLD_BELOW))
 
 
 @triton.jit
@@ -103,7 +105,7 @@ def _fold_plan_kernel(
     stride_accepted, stride_request, stride_state_indices, stride_query_start,
     stride_bt_row, stride_bt_col, stride_computed, stride_p_layer, stride_p_blk,
     SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr,
-    ALIGN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ALIGN: tl.constexpr, EAGER_FOLD_BELOW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: a row (layer, count, source, final, boundary, recovery) for
     each (layer, request) pair whose deferred commit folds now, in order, then
@@ -124,8 +126,8 @@ def _fold_plan_kernel(
         source, final, boundary = _plan_blocks(
             b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
             boundary_col, total, stride_bt_row, stride_bt_col, ALIGN)
-        folds = (_folds(total, boundary_col, final, source, boundary, num_blocks, SPEC_LEN,
-                        RECORDS, True) & in_range).to(tl.int32)
+        folds = (_folds(total, boundary_col, final, source, boundary, num_blocks, batch,
+                        SPEC_LEN, RECORDS, True, EAGER_FOLD_BELOW) & in_range).to(tl.int32)
         at = fold_plan_ptr + (listed + tl.cumsum(folds, 0) - folds) * PLAN_ROW
         listing = folds > 0
         tl.store(at, layer, mask=listing)
@@ -160,13 +162,14 @@ def _plan_blocks(b, state_indices_ptr, stride_state_indices, block_table_ptr, ro
 
 
 @triton.jit
-def _folds(count, boundary_col, final, source, boundary, num_blocks, SPEC_LEN: tl.constexpr,
-           RECORDS: tl.constexpr, DEFERRED: tl.constexpr):
-    """Whether the commit writes a fold: records to fold (deferred: now), a
-    valid checkpoint and a valid block to write."""
+def _folds(count, boundary_col, final, source, boundary, num_blocks, batch,
+           SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr, DEFERRED: tl.constexpr,
+           EAGER_FOLD_BELOW: tl.constexpr):
+    """Whether the commit over `batch` requests writes a fold: records to fold
+    (deferred: now), a valid checkpoint and a valid block to write."""
     if DEFERRED:  # `count` holds the total so far: fold it now, or leave it pending
-        count = tl.where(folds_now(count, boundary_col, final, source, SPEC_LEN, RECORDS),
-                         count, 0)
+        count = tl.where(folds_now(count, boundary_col, final, source, batch, SPEC_LEN, RECORDS,
+                                   EAGER_FOLD_BELOW), count, 0)
     return ((count > 0) & block_is_valid(source, num_blocks)
             & (block_is_valid(final, num_blocks) | block_is_valid(boundary, num_blocks)))
 
@@ -258,6 +261,7 @@ def _commit_state_kernel(
     HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr, RECORD_STAGES: tl.constexpr,
     RECORDS: tl.constexpr, DEFERRED: tl.constexpr, FLUSH: tl.constexpr,
     PDL: tl.constexpr, LISTED: tl.constexpr, V_TILES: tl.constexpr, TREE: tl.constexpr,
+    EAGER_FOLD_BELOW: tl.constexpr,
 ):
     """Folds `commit` records into the checkpoint (the boundary state after
     `recovery` of them, in align mode): immediately the accepted ones; deferred
@@ -312,8 +316,8 @@ def _commit_state_kernel(
             boundary_col, commit, stride_bt_row, stride_bt_col, ALIGN)
         path_row, last_node = _path_row(b, row, path_ptr, stride_path_row, query_start_ptr,
                                         stride_query_start, SPEC_LEN, TREE)
-        if _folds(commit, boundary_col, final, source, boundary, num_blocks, SPEC_LEN, RECORDS,
-                  DEFERRED):
+        if _folds(commit, boundary_col, final, source, boundary, num_blocks, tl.num_programs(1),
+                  SPEC_LEN, RECORDS, DEFERRED, EAGER_FOLD_BELOW):
             _fold_tile(state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr, layer, h,
                        pid_v, commit, source, final, boundary, recovery, num_blocks, lower_bound,
                        stride_s_layer, stride_s_blk, stride_s_head, stride_s_v, stride_s_k,
@@ -349,7 +353,7 @@ def _commit_conv_kernel(
     HISTORY: tl.constexpr, BD: tl.constexpr,
     SPEC_LEN: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr,
     RECORDS: tl.constexpr, DEFERRED: tl.constexpr, TREE: tl.constexpr,
-    PDL: tl.constexpr,
+    EAGER_FOLD_BELOW: tl.constexpr, PDL: tl.constexpr,
 ):
     """Moves each request's history by its accepted tokens into the final block
     (and the boundary block's history). Deferred, every commit moves it: into
@@ -380,7 +384,8 @@ def _commit_conv_kernel(
         b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
         boundary_col, total, stride_bt_row, stride_bt_col, ALIGN)
     if DEFERRED:  # a fold left for later keeps the history in the source block
-        fold = folds_now(total, boundary_col, final, source, SPEC_LEN, RECORDS)
+        fold = folds_now(total, boundary_col, final, source, tl.num_programs(1), SPEC_LEN,
+                         RECORDS, EAGER_FOLD_BELOW)
         final = tl.where(fold, final, source)
         boundary = tl.where(fold, boundary, NULL_BLOCK)
     final_ok = block_is_valid(final, num_blocks)
@@ -439,7 +444,7 @@ def _pending_counts_kernel(
     stride_accepted, stride_request, stride_state_indices, stride_query_start,
     stride_bt_row, stride_bt_col, stride_computed, stride_p_layer, stride_p_blk,
     SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr,
-    ALIGN: tl.constexpr, FLUSH: tl.constexpr, PDL: tl.constexpr,
+    ALIGN: tl.constexpr, FLUSH: tl.constexpr, EAGER_FOLD_BELOW: tl.constexpr, PDL: tl.constexpr,
 ):
     """The pending counts after a deferred commit (the total where the fold
     waits; zero in every block a fold wrote) or after a flush (zero). Its own
@@ -461,7 +466,8 @@ def _pending_counts_kernel(
         source, final, boundary = _plan_blocks(
             b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
             boundary_col, total, stride_bt_row, stride_bt_col, ALIGN)
-        if folds_now(total, boundary_col, final, source, SPEC_LEN, RECORDS):
+        if folds_now(total, boundary_col, final, source, tl.num_programs(0), SPEC_LEN, RECORDS,
+                     EAGER_FOLD_BELOW):
             tl.store(counts + source * stride_p_blk, 0)
             if block_is_valid(boundary, num_blocks):
                 tl.store(counts + boundary * stride_p_blk, 0)
@@ -512,24 +518,26 @@ def plan_launch_args(num_accepted_tokens, request_indices, state_indices, query_
 
 def commit_state_launch(key_dim, value_dim, num_heads, spec_len, use_lower_bound,
                         has_request_indices, align, pdl, records=None, deferred=False,
-                        flush=False, listed=False, tree=False):
+                        flush=False, listed=False, tree=False, eager_fold_below=0):
     """The state fold's (kernel, constexprs, num_warps); tools/kernel_resources.py
     compiles exactly this. `spec_len` is T, `records` the records' positions
-    (default T); `tree` folds accepted paths."""
+    (default T); `tree` folds accepted paths; a deferred commit over fewer than
+    `eager_fold_below` requests folds whatever is pending."""
     block_v, warps, record_stages = commit_config(value_dim)
     return _commit_state_kernel, dict(
         K=key_dim, V=value_dim, BK=triton.next_power_of_2(key_dim), BV=block_v,
         NUM_HEADS=num_heads, SPEC_LEN=spec_len, USE_LOWER_BOUND=use_lower_bound,
         HAS_REQUEST_INDICES=has_request_indices, ALIGN=align, RECORD_STAGES=record_stages,
         RECORDS=spec_len if records is None else records, DEFERRED=deferred, FLUSH=flush,
-        PDL=pdl, LISTED=listed, V_TILES=triton.cdiv(value_dim, block_v), TREE=tree), warps
+        PDL=pdl, LISTED=listed, V_TILES=triton.cdiv(value_dim, block_v), TREE=tree,
+        EAGER_FOLD_BELOW=eager_fold_below), warps
 
 
-def fold_plan_launch(spec_len, records, has_request_indices, align, pdl):
+def fold_plan_launch(spec_len, records, has_request_indices, align, pdl, eager_fold_below):
     """The deferred commit's fold plan: (kernel, constexprs, num_warps)."""
     return _fold_plan_kernel, dict(
         SPEC_LEN=spec_len, RECORDS=records, HAS_REQUEST_INDICES=has_request_indices, ALIGN=align,
-        BLOCK=FOLD_PLAN_BLOCK, PDL=pdl), FOLD_PLAN_WARPS
+        EAGER_FOLD_BELOW=eager_fold_below, BLOCK=FOLD_PLAN_BLOCK, PDL=pdl), FOLD_PLAN_WARPS
 
 
 def _pending_strides(pending, stacked):
@@ -561,20 +569,21 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
     path = accepted_path if tree else state_indices  # unread for chains
     path_strides = tuple(accepted_path.stride()) if tree else (0, 0)
     flags = dict(SPEC_LEN=spec_len, HAS_REQUEST_INDICES=request_indices is not None,
-                 ALIGN=plan.align, RECORDS=records)
+                 ALIGN=plan.align, RECORDS=records, EAGER_FOLD_BELOW=dims.eager_fold_below)
     K, V = dims.key_dim, dims.value_dim
     launch = dependent_launch(state, plan.batch)
     listed = deferred and listed_folds(plan.batch)
     kernel, constexprs, warps = commit_state_launch(
         K, V, dims.num_heads, spec_len, lower_bound is not None,
         request_indices is not None, plan.align, launch["PDL"], records, deferred, listed=listed,
-        tree=tree)
+        tree=tree, eager_fold_below=dims.eager_fold_below)
     num_pairs = dims.num_layers * plan.batch
     if listed:
         fold_plan = torch.empty((num_pairs + 1) * PLAN_ROW.value, dtype=torch.int32,
                                 device=state.device)
         kernel_plan, constexprs_plan, warps_plan = fold_plan_launch(
-            spec_len, records, request_indices is not None, plan.align, launch["PDL"])
+            spec_len, records, request_indices is not None, plan.align, launch["PDL"],
+            dims.eager_fold_below)
         wrap_triton(kernel_plan)[(1,)](
             fold_plan, *pointers, counts, dims.num_blocks, *scalars, plan.batch, num_pairs,
             *strides, *pending_strides, **constexprs_plan, num_warps=warps_plan,
@@ -638,7 +647,7 @@ def launch_flush(state_indices, state, correction, key_gate, pending, A_log, dt_
     wrap_triton(_pending_counts_kernel)[(batch, dims.num_layers)](
         pending, *pointers, dims.num_blocks, *scalars, *strides, *pending_strides,
         SPEC_LEN=dims.spec_len, RECORDS=dims.spec_len, HAS_REQUEST_INDICES=False, ALIGN=False,
-        FLUSH=True, num_warps=1, **launch,
+        FLUSH=True, EAGER_FOLD_BELOW=0, num_warps=1, **launch,
     )
 
 

@@ -22,6 +22,8 @@ import triton
 from torch._library.triton import is_wrap_triton_enabled
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..constants import DEFERRED_EAGER_FOLD_BELOW_BATCH
+
 # ------------------------------------------------------------------ verify
 # Window lengths up to this run in closed form (8-13% faster than the token loop at T = 4).
 CLOSED_FORM_UP_TO = 4
@@ -74,6 +76,14 @@ LINK_ON_TENSOR_CORES_FROM_LEN = 5
 LINK_ON_TENSOR_CORES_UP_TO = 8
 
 VERIFY_FORMS = ("token_loop", "closed_form", "tensor_cores", "separate_terms")
+
+
+def expects_pending(deferred, batch):
+    """Whether verify over `batch` requests takes the deferred schedule's
+    forms: below DEFERRED_EAGER_FOLD_BELOW_BATCH every commit folds by default
+    (docs/semantics.md#11-the-deferred-schedule), so windows start at no
+    pending record, as in the immediate schedule."""
+    return deferred and not statically_known_true(batch < DEFERRED_EAGER_FOLD_BELOW_BATCH)
 
 # conv_verify convolves inside verify's programs (one program per request and head then
 # holds every V tile) below this many pairs, else launches conv_update's kernel and then

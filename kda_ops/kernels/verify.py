@@ -50,8 +50,8 @@ from .common import (block_is_valid, line_starts, link_tokens, live_range, load_
                      pending_records, pending_terms, prefetch_block, prefetch_block_rows,
                      tree_window_terms, wait_for_previous_kernel, window_after_records,
                      window_vectors)
-from .dispatch import (WINDOW_TERMS_WARPS, conv_verify_config, dependent_launch, launch_options,
-                       verify_config)
+from .dispatch import (WINDOW_TERMS_WARPS, conv_verify_config, dependent_launch,
+                       expects_pending, launch_options, verify_config)
 from .verify_tensor_cores import tensor_core_tile, tensor_core_verify_kernel, window_terms_kernel
 
 
@@ -571,7 +571,8 @@ def launch_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     deferred = pending is not None
     tree = parent is not None
     if config is None:
-        config = verify_config(K, V, dims.batch * num_heads, spec_len, deferred, tree)
+        config = verify_config(K, V, dims.batch * num_heads, spec_len,
+                               expects_pending(deferred, dims.batch), tree)
     launch = dependent_launch(q, dims.batch)
     kernels = verify_launches(config, K, V, spec_len, lower_bound is not None, launch["PDL"],
                               records, deferred, tree, conv)
@@ -648,7 +649,8 @@ def launch_conv_verify(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt
     q, k, v = conv_verify_split(convolved, H, K, V)
     verify_args = (g, beta, A_log, dt_bias, state, correction, key_gate, query_start_loc,
                    state_indices, lower_bound, scale, out, verify_dims, pending, spec_len, parent)
-    config = conv_verify_config(K, V, verify_dims.batch * H, spec_len, pending is not None,
+    config = conv_verify_config(K, V, verify_dims.batch * H, spec_len,
+                                expects_pending(pending is not None, verify_dims.batch),
                                 parent is not None)
     if config is None:
         launch_conv_update(x, conv_state, conv_weight, conv_bias, query_start_loc, state_indices,
