@@ -192,7 +192,8 @@ def test_deferred_ops_match_the_reference(stacked, align, value_dim, eager_fold,
     """verify with pending records and the deferred commit, through the ops,
     against the float64 reference: outputs, records, states, conv history and
     pending counts; V = 40 spans two state tiles of the kernels, the last one
-    partial. eager_fold=None folds everything pending at this batch of 6."""
+    partial, and commits without conv history (whose launch otherwise writes
+    the counts). eager_fold=None folds everything pending at this batch of 6."""
     import kda_ops
     from helpers import assert_rel_close
 
@@ -216,7 +217,8 @@ def test_deferred_ops_match_the_reference(stacked, align, value_dim, eager_fold,
     assert_rel_close(layer(a["correction"]).cpu(), expected_corr.float(), name="correction")
     assert torch.equal(layer(a["key_gate"]).cpu(), expected_kg)
 
-    commit_kwargs = dict(state=a["state"], conv_state=a["conv_state"],
+    history = a["conv_state"] if value_dim == V else None
+    commit_kwargs = dict(state=a["state"], conv_state=history,
                          correction=a["correction"], key_gate=a["key_gate"], A_log=a["A_log"],
                          dt_bias=a["dt_bias"], lower_bound=-5.0, spec_len=T,
                          eager_fold=eager_fold, **align_args)
@@ -229,7 +231,8 @@ def test_deferred_ops_match_the_reference(stacked, align, value_dim, eager_fold,
     kda_ops.commit(a["accepted"], a["state_indices"], a["query_start_loc"], pending=pending,
                    **commit_kwargs)
     assert torch.equal(pending.cpu(), expected_pending)
-    assert torch.equal(a["conv_state"].cpu(), expected_conv)
+    if history is not None:
+        assert torch.equal(history.cpu(), expected_conv)
     assert_rel_close(a["state"].cpu(), expected_state.float(), name="state")
     committed = a["state_indices"][(a["state_indices"] > 0)
                                    & (a["state_indices"] < pending.shape[-1])].long()

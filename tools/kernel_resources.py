@@ -49,7 +49,7 @@ ACTIVATION_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "key_gate
                        "x_ptr", "conv_ptr", "weight_ptr", "bias_ptr"}
 INDEX_POINTERS = {"query_start_ptr", "state_indices_ptr", "accepted_ptr", "request_ptr",
                   "block_table_ptr", "computed_ptr", "pending_ptr", "fold_plan_ptr",
-                  "parent_ptr", "path_ptr"}
+                  "parent_ptr", "path_ptr", "counts_before_ptr"}
 
 
 def arg_type(name):
@@ -166,13 +166,17 @@ def main(argv=None):
             for name, align in (("commit_state", False), ("commit_align", True)):
                 cases[name] = commit_kernels.commit_state_launch(
                     K, V, H, T, True, False, align, pdl, R, deferred, tree=args.tree,
-                    eager_fold_below=eager_fold_below)
+                    eager_fold_below=eager_fold_below, counts_before=deferred)
+            cases["commit_conv"] = commit_kernels.commit_conv_launch(
+                H * (2 * K + V), 3, deferred, args.tree, pdl, SPEC_LEN=T,
+                HAS_REQUEST_INDICES=False, ALIGN=False, RECORDS=R or T,
+                EAGER_FOLD_BELOW=eager_fold_below)
             if deferred:
                 cases["commit_listed"] = commit_kernels.commit_state_launch(
                     K, V, H, T, True, False, False, pdl, R, deferred, listed=True,
                     eager_fold_below=eager_fold_below)
                 cases["fold_plan"] = commit_kernels.fold_plan_launch(T, R, False, False, pdl,
-                                                                     eager_fold_below)
+                                                                     eager_fold_below, True)
             cases["conv_update"] = conv_kernels.conv_update_launch(H * (2 * K + V), 4, T, True,
                                                                    True, pdl, args.tree)
             fused = dispatch.conv_verify_config(K, V, args.batch * H, T, pending_forms, args.tree)

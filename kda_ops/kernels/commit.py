@@ -3,9 +3,10 @@ the deferred schedule's commit and flush.
 
 Two launches cover all layers: one folds the recurrent state, one compacts the
 convolution history. Both compute the commit plan of their request inline
-(`commit_plan_row`, `deferred_plan_row`). The deferred schedule adds a third
-launch that writes the pending counts, after the two that read them (programs
-of one layer and block read its count in both). Where `dispatch.listed_folds`
+(`commit_plan_row`, `deferred_plan_row`). In the deferred schedule the state launch
+also copies each (layer, request)'s pending count to a per-call buffer, from
+which the history launch plans and after which it writes the new counts (a
+third launch writes them where there is no history). Where `dispatch.listed_folds`
 says so, its state fold is two launches instead: a plan with a row per
 (layer, request) pair that folds now, then a persistent grid over those
 pairs' tiles, so that a commit in which few pairs fold launches few programs.
@@ -61,29 +62,31 @@ def _plan(b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, comp
           stride_p_blk, SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr,
           HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr, DEFERRED: tl.constexpr,
           FLUSH: tl.constexpr):
-    """(count, row, final column, boundary column, recovery) of request `b`:
-    the commit plan's accepted count, the deferred plan's total (the caller
-    decides whether it folds now, `folds_now`), or on a flush the pending count."""
+    """(count, row, final column, boundary column, recovery, pending before) of
+    request `b`: the commit plan's accepted count, the deferred plan's total
+    (the caller decides whether it folds now, `folds_now`), or on a flush the
+    pending count; the pending count before the commit, deferred (else 0)."""
     if FLUSH:
         source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
         valid = block_is_valid(source, num_blocks)
         count = pending_count(layer_pending_ptr + tl.where(valid, source, 0) * stride_p_blk,
                               valid, RECORDS)
         zero = tl.zeros_like(source)
-        return count, zero, zero, zero - 1, zero
+        return count, zero, zero, zero - 1, zero, zero
     elif DEFERRED:
-        _, total, row, final_col, boundary_col, recovery, _ = deferred_plan_row(
+        _, total, row, final_col, boundary_col, recovery, first = deferred_plan_row(
             b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
             stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
             stride_computed, layer_pending_ptr, stride_p_blk, num_rows, num_blocks, bt_cols,
             block_size, RECORDS, HAS_REQUEST_INDICES, ALIGN)
-        return total, row, final_col, boundary_col, recovery
+        return total, row, final_col, boundary_col, recovery, first
     else:
-        return commit_plan_row(
+        commit, row, final_col, boundary_col, recovery = commit_plan_row(
             b, accepted_ptr, stride_accepted, request_ptr, stride_request,
             state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
             computed_ptr, stride_computed, num_rows, bt_cols, block_size,
             SPEC_LEN, HAS_REQUEST_INDICES, ALIGN)
+        return commit, row, final_col, boundary_col, recovery, tl.zeros_like(row)
 
 
 @triton.jit
@@ -100,16 +103,18 @@ def folds_now(total, boundary_col, final, source, batch, SPEC_LEN: tl.constexpr,
 @triton.jit
 def _fold_plan_kernel(
     fold_plan_ptr, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
-    block_table_ptr, computed_ptr, pending_ptr,
+    block_table_ptr, computed_ptr, pending_ptr, counts_before_ptr,
     num_blocks, num_rows, bt_cols, block_size, batch, num_pairs,
     stride_accepted, stride_request, stride_state_indices, stride_query_start,
     stride_bt_row, stride_bt_col, stride_computed, stride_p_layer, stride_p_blk,
     SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr,
-    ALIGN: tl.constexpr, EAGER_FOLD_BELOW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ALIGN: tl.constexpr, EAGER_FOLD_BELOW: tl.constexpr, COUNTS_BEFORE: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: a row (layer, count, source, final, boundary, recovery) for
     each (layer, request) pair whose deferred commit folds now, in order, then
-    in row `num_pairs` their number and the fold's claims counter, zeroed."""
+    in row `num_pairs` their number and the fold's claims counter, zeroed; with
+    COUNTS_BEFORE each pair's pending count at `counts_before_ptr + pair`."""
     wait_for_previous_kernel(PDL)
     listed = tl.full([], 0, tl.int32)
     for start in range(0, num_pairs, BLOCK):
@@ -118,11 +123,13 @@ def _fold_plan_kernel(
         pairs = tl.where(in_range, pairs, 0)
         b = pairs % batch
         layer = pairs // batch
-        _, total, row, final_col, boundary_col, recovery, _ = deferred_plan_row(
+        _, total, row, final_col, boundary_col, recovery, first = deferred_plan_row(
             b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
             stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
             stride_computed, pending_ptr + layer.to(tl.int64) * stride_p_layer, stride_p_blk,
             num_rows, num_blocks, bt_cols, block_size, RECORDS, HAS_REQUEST_INDICES, ALIGN)
+        if COUNTS_BEFORE:
+            tl.store(counts_before_ptr + pairs, first.to(tl.int32), mask=in_range)
         source, final, boundary = _plan_blocks(
             b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
             boundary_col, total, stride_bt_row, stride_bt_col, ALIGN)
@@ -246,7 +253,7 @@ def _fold_tile(
 def _commit_state_kernel(
     state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr,
     accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
-    block_table_ptr, computed_ptr, pending_ptr, path_ptr,
+    block_table_ptr, computed_ptr, pending_ptr, path_ptr, counts_before_ptr,
     num_blocks, num_rows, bt_cols, block_size, lower_bound,
     stride_accepted, stride_request, stride_state_indices, stride_query_start,
     stride_bt_row, stride_bt_col, stride_computed, stride_p_layer, stride_p_blk,
@@ -261,7 +268,7 @@ def _commit_state_kernel(
     HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr, RECORD_STAGES: tl.constexpr,
     RECORDS: tl.constexpr, DEFERRED: tl.constexpr, FLUSH: tl.constexpr,
     PDL: tl.constexpr, LISTED: tl.constexpr, V_TILES: tl.constexpr, TREE: tl.constexpr,
-    EAGER_FOLD_BELOW: tl.constexpr,
+    EAGER_FOLD_BELOW: tl.constexpr, COUNTS_BEFORE: tl.constexpr,
 ):
     """Folds `commit` records into the checkpoint (the boundary state after
     `recovery` of them, in align mode): immediately the accepted ones; deferred
@@ -269,7 +276,10 @@ def _commit_state_kernel(
     R); on a flush every pending one. A program per tile, or with LISTED a
     persistent grid whose programs claim the tiles of the rows
     `_fold_plan_kernel` wrote one at a time. With TREE (immediate only) the
-    records are those of each row's accepted path in `path_ptr`."""
+    records are those of each row's accepted path in `path_ptr`. With
+    COUNTS_BEFORE (a program per tile) a row of programs per layer after the
+    (layer, head) rows copies each (layer, request)'s pending count to
+    `counts_before_ptr + layer * batch + b` for the history launch."""
     wait_for_previous_kernel(PDL)
     lower_bound = tl.cast(lower_bound, tl.float32)  # fp64 when launched by Inductor
     if LISTED:
@@ -298,6 +308,17 @@ def _commit_state_kernel(
                        USE_LOWER_BOUND, ALIGN, RECORD_STAGES, False)
             item = following
             layer, commit, source, final, boundary, recovery = next_entries
+    elif COUNTS_BEFORE and (tl.program_id(2) >= _fold_rows(NUM_HEADS)):
+        # The programs past the folds' copy each (layer, request)'s count: a copy in the
+        # fold programs made align mode's fold spill 152 B against 40 (ptxas, T = 4).
+        b = tl.program_id(1)
+        layer = (tl.program_id(2) - _fold_rows(NUM_HEADS)).to(tl.int64)
+        source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
+        valid = block_is_valid(source, num_blocks)
+        count = pending_count(pending_ptr + layer * stride_p_layer
+                              + tl.where(valid, source, 0) * stride_p_blk, valid, RECORDS)
+        tl.store(counts_before_ptr + layer * tl.num_programs(1) + b, count.to(tl.int32),
+                 mask=tl.program_id(0) == 0)
     else:
         pid_v = tl.program_id(0)
         b = tl.program_id(1)
@@ -305,7 +326,7 @@ def _commit_state_kernel(
         # layers, 32 heads, K = V = 128), and the layer stride is an int32 argument.
         layer = (tl.program_id(2) // NUM_HEADS).to(tl.int64)
         h = tl.program_id(2) % NUM_HEADS
-        commit, row, final_col, boundary_col, recovery = _plan(
+        commit, row, final_col, boundary_col, recovery, first = _plan(
             b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, computed_ptr,
             pending_ptr + layer * stride_p_layer, num_blocks, num_rows, bt_cols, block_size,
             stride_accepted, stride_request, stride_state_indices, stride_query_start,
@@ -329,6 +350,13 @@ def _commit_state_kernel(
 
 
 @triton.jit
+def _fold_rows(NUM_HEADS: tl.constexpr):
+    """The state launch's (layer, head) rows of fold programs, where a row of
+    copy programs per layer follows them (COUNTS_BEFORE)."""
+    return tl.num_programs(2) // (NUM_HEADS + 1) * NUM_HEADS
+
+
+@triton.jit
 def _path_row(b, row, path_ptr, stride_path_row, query_start_ptr, stride_query_start,
               SPEC_LEN: tl.constexpr, TREE: tl.constexpr):
     """(accepted path of `row`, last node of request `b`'s window that the path
@@ -344,7 +372,7 @@ def _path_row(b, row, path_ptr, stride_path_row, query_start_ptr, stride_query_s
 def _commit_conv_kernel(
     conv_ptr,
     accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
-    block_table_ptr, computed_ptr, pending_ptr, path_ptr,
+    block_table_ptr, computed_ptr, pending_ptr, path_ptr, counts_before_ptr,
     num_blocks, num_rows, bt_cols, block_size, conv_dim,
     stride_accepted, stride_request, stride_state_indices, stride_query_start,
     stride_bt_row, stride_bt_col, stride_computed, stride_p_layer, stride_p_blk,
@@ -357,7 +385,10 @@ def _commit_conv_kernel(
 ):
     """Moves each request's history by its accepted tokens into the final block
     (and the boundary block's history). Deferred, every commit moves it: into
-    the final block when the fold is written now, else within the source. In a
+    the final block when the fold is written now, else within the source; the
+    plan reads the pending counts the state launch copied to
+    `counts_before_ptr` (`[layers, batch]`), and the first program of each
+    (layer, request) writes its new counts, which no program here reads. In a
     tree the history runs along the accepted path (_path_column)."""
     wait_for_previous_kernel(PDL)
     pid_d = tl.program_id(0)
@@ -368,8 +399,9 @@ def _commit_conv_kernel(
         commit, total, row, final_col, boundary_col, recovery, first = deferred_plan_row(
             b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
             stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
-            stride_computed, pending_ptr + layer * stride_p_layer, stride_p_blk, num_rows,
-            num_blocks, bt_cols, block_size, RECORDS, HAS_REQUEST_INDICES, ALIGN)
+            stride_computed, counts_before_ptr + layer * tl.num_programs(1), 1, num_rows,
+            num_blocks, bt_cols, block_size, RECORDS, HAS_REQUEST_INDICES, ALIGN,
+            COUNT_BY_REQUEST=True)
         # A boundary's history lies `recovery - first` tokens into the window.
         recovery = tl.minimum(tl.maximum(recovery - first, 1), SPEC_LEN)
     else:
@@ -386,6 +418,9 @@ def _commit_conv_kernel(
     if DEFERRED:  # a fold left for later keeps the history in the source block
         fold = folds_now(total, boundary_col, final, source, tl.num_programs(1), SPEC_LEN,
                          RECORDS, EAGER_FOLD_BELOW)
+        if pid_d == 0:
+            _store_counts(pending_ptr + layer * stride_p_layer, stride_p_blk, fold, total, source,
+                          final, boundary, num_blocks)
         final = tl.where(fold, final, source)
         boundary = tl.where(fold, boundary, NULL_BLOCK)
     final_ok = block_is_valid(final, num_blocks)
@@ -436,6 +471,20 @@ def _path_column(i, path_row, stride_path_col, last_node, HISTORY: tl.constexpr,
 
 
 @triton.jit
+def _store_counts(counts, stride_p_blk, fold, total, source, final, boundary, num_blocks):
+    """A request's pending counts after its deferred commit: zero in every
+    block a fold writes, else the total in its checkpoint's block."""
+    if fold:
+        tl.store(counts + source * stride_p_blk, 0)
+        if block_is_valid(boundary, num_blocks):
+            tl.store(counts + boundary * stride_p_blk, 0)
+        if block_is_valid(final, num_blocks):
+            tl.store(counts + final * stride_p_blk, 0)
+    elif total > 0:
+        tl.store(counts + source * stride_p_blk, total.to(counts.dtype.element_ty))
+
+
+@triton.jit
 def _pending_counts_kernel(
     pending_ptr,
     accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
@@ -446,9 +495,9 @@ def _pending_counts_kernel(
     SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr,
     ALIGN: tl.constexpr, FLUSH: tl.constexpr, EAGER_FOLD_BELOW: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The pending counts after a deferred commit (the total where the fold
-    waits; zero in every block a fold wrote) or after a flush (zero). Its own
-    launch, after the state and history launches have read the counts."""
+    """The pending counts after a deferred commit without conv history (the
+    total where the fold waits; zero in every block a fold wrote) or after a
+    flush (zero). Its own launch, after the state launch has read the counts."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
@@ -466,15 +515,9 @@ def _pending_counts_kernel(
         source, final, boundary = _plan_blocks(
             b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
             boundary_col, total, stride_bt_row, stride_bt_col, ALIGN)
-        if folds_now(total, boundary_col, final, source, tl.num_programs(0), SPEC_LEN, RECORDS,
-                     EAGER_FOLD_BELOW):
-            tl.store(counts + source * stride_p_blk, 0)
-            if block_is_valid(boundary, num_blocks):
-                tl.store(counts + boundary * stride_p_blk, 0)
-            if block_is_valid(final, num_blocks):
-                tl.store(counts + final * stride_p_blk, 0)
-        elif total > 0:
-            tl.store(counts + source * stride_p_blk, total.to(pending_ptr.dtype.element_ty))
+        fold = folds_now(total, boundary_col, final, source, tl.num_programs(0), SPEC_LEN,
+                         RECORDS, EAGER_FOLD_BELOW)
+        _store_counts(counts, stride_p_blk, fold, total, source, final, boundary, num_blocks)
 
 
 def gate_param_strides(A_log, dt_bias, stacked, key_dim):
@@ -518,11 +561,13 @@ def plan_launch_args(num_accepted_tokens, request_indices, state_indices, query_
 
 def commit_state_launch(key_dim, value_dim, num_heads, spec_len, use_lower_bound,
                         has_request_indices, align, pdl, records=None, deferred=False,
-                        flush=False, listed=False, tree=False, eager_fold_below=0):
+                        flush=False, listed=False, tree=False, eager_fold_below=0,
+                        counts_before=False):
     """The state fold's (kernel, constexprs, num_warps); tools/kernel_resources.py
     compiles exactly this. `spec_len` is T, `records` the records' positions
     (default T); `tree` folds accepted paths; a deferred commit over fewer than
-    `eager_fold_below` requests folds whatever is pending."""
+    `eager_fold_below` requests folds whatever is pending; `counts_before`
+    copies the pending counts for the history launch."""
     block_v, warps, record_stages = commit_config(value_dim)
     return _commit_state_kernel, dict(
         K=key_dim, V=value_dim, BK=triton.next_power_of_2(key_dim), BV=block_v,
@@ -530,14 +575,24 @@ def commit_state_launch(key_dim, value_dim, num_heads, spec_len, use_lower_bound
         HAS_REQUEST_INDICES=has_request_indices, ALIGN=align, RECORD_STAGES=record_stages,
         RECORDS=spec_len if records is None else records, DEFERRED=deferred, FLUSH=flush,
         PDL=pdl, LISTED=listed, V_TILES=triton.cdiv(value_dim, block_v), TREE=tree,
-        EAGER_FOLD_BELOW=eager_fold_below), warps
+        EAGER_FOLD_BELOW=eager_fold_below, COUNTS_BEFORE=counts_before), warps
 
 
-def fold_plan_launch(spec_len, records, has_request_indices, align, pdl, eager_fold_below):
+def commit_conv_launch(conv_dim, history, deferred, tree, pdl, **flags):
+    """The history compaction's (kernel, constexprs, num_warps); `flags`:
+    SPEC_LEN, HAS_REQUEST_INDICES, ALIGN, RECORDS, EAGER_FOLD_BELOW."""
+    BD, warps = conv_config(conv_dim)
+    return _commit_conv_kernel, dict(HISTORY=history, BD=BD, DEFERRED=deferred, TREE=tree,
+                                     PDL=pdl, **flags), warps
+
+
+def fold_plan_launch(spec_len, records, has_request_indices, align, pdl, eager_fold_below,
+                     counts_before):
     """The deferred commit's fold plan: (kernel, constexprs, num_warps)."""
     return _fold_plan_kernel, dict(
         SPEC_LEN=spec_len, RECORDS=records, HAS_REQUEST_INDICES=has_request_indices, ALIGN=align,
-        EAGER_FOLD_BELOW=eager_fold_below, BLOCK=FOLD_PLAN_BLOCK, PDL=pdl), FOLD_PLAN_WARPS
+        EAGER_FOLD_BELOW=eager_fold_below, COUNTS_BEFORE=counts_before, BLOCK=FOLD_PLAN_BLOCK,
+        PDL=pdl), FOLD_PLAN_WARPS
 
 
 def _pending_strides(pending, stacked):
@@ -573,27 +628,35 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
     K, V = dims.key_dim, dims.value_dim
     launch = dependent_launch(state, plan.batch)
     listed = deferred and listed_folds(plan.batch)
+    num_pairs = dims.num_layers * plan.batch
+    # The history launch writes the new pending counts, from a copy of the old
+    # ones the state launch (or the fold plan) makes: no launch of their own.
+    history_counts = deferred and conv_state is not None
+    counts_before = torch.empty(num_pairs if history_counts else 1, dtype=torch.int32,
+                                device=state.device)
     kernel, constexprs, warps = commit_state_launch(
         K, V, dims.num_heads, spec_len, lower_bound is not None,
         request_indices is not None, plan.align, launch["PDL"], records, deferred, listed=listed,
-        tree=tree, eager_fold_below=dims.eager_fold_below)
-    num_pairs = dims.num_layers * plan.batch
+        tree=tree, eager_fold_below=dims.eager_fold_below,
+        counts_before=history_counts and not listed)
     if listed:
         fold_plan = torch.empty((num_pairs + 1) * PLAN_ROW.value, dtype=torch.int32,
                                 device=state.device)
         kernel_plan, constexprs_plan, warps_plan = fold_plan_launch(
             spec_len, records, request_indices is not None, plan.align, launch["PDL"],
-            dims.eager_fold_below)
+            dims.eager_fold_below, history_counts)
         wrap_triton(kernel_plan)[(1,)](
-            fold_plan, *pointers, counts, dims.num_blocks, *scalars, plan.batch, num_pairs,
+            fold_plan, *pointers, counts, counts_before, dims.num_blocks, *scalars, plan.batch,
+            num_pairs,
             *strides, *pending_strides, **constexprs_plan, num_warps=warps_plan,
             **launch_options(launch))
         grid = (fold_programs(state),)
     else:
         fold_plan = state_indices  # unread
-        grid = (constexprs["V_TILES"], plan.batch, dims.num_layers * dims.num_heads)
+        copy_rows = dims.num_layers if constexprs["COUNTS_BEFORE"] else 0
+        grid = (constexprs["V_TILES"], plan.batch, dims.num_layers * dims.num_heads + copy_rows)
     wrap_triton(kernel)[grid](
-        state, correction, key_gate, A_log, dt_bias, *pointers, counts, path,
+        state, correction, key_gate, A_log, dt_bias, *pointers, counts, path, counts_before,
         dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides, *pending_strides,
         *path_strides,
         *layer_strides(state, dims.stacked), *layer_strides(correction, dims.stacked),
@@ -603,16 +666,16 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         **constexprs, num_warps=warps, **launch_options(launch),
     )
     if conv_state is not None:
-        BD, warps = conv_config(dims.conv_dim)
-        grid = (triton.cdiv(dims.conv_dim, BD), plan.batch, dims.num_layers)
-        wrap_triton(_commit_conv_kernel)[grid](
-            conv_state, *pointers, counts, path, dims.num_blocks, *scalars, dims.conv_dim,
+        kernel, constexprs, warps = commit_conv_launch(dims.conv_dim, dims.conv_history,
+                                                       deferred, tree, launch["PDL"], **flags)
+        grid = (triton.cdiv(dims.conv_dim, constexprs["BD"]), plan.batch, dims.num_layers)
+        wrap_triton(kernel)[grid](
+            conv_state, *pointers, counts, path, counts_before, dims.num_blocks, *scalars,
+            dims.conv_dim,
             *strides, *pending_strides, *path_strides, *layer_strides(conv_state, dims.stacked),
-            HISTORY=dims.conv_history, BD=BD, DEFERRED=deferred, TREE=tree, **flags,
-            num_warps=warps,
-            **launch,
+            **constexprs, num_warps=warps, **launch_options(launch),
         )
-    if deferred:
+    if deferred and not history_counts:
         wrap_triton(_pending_counts_kernel)[(plan.batch, dims.num_layers)](
             pending, *pointers, dims.num_blocks, *scalars, *strides, *pending_strides,
             FLUSH=False, **flags, num_warps=1, **launch,
@@ -637,7 +700,8 @@ def launch_flush(state_indices, state, correction, key_gate, pending, A_log, dt_
     grid = (triton.cdiv(V, constexprs["BV"]), batch, dims.num_layers * dims.num_heads)
     wrap_triton(kernel)[grid](
         state, correction, key_gate, A_log, dt_bias, *pointers, pending, state_indices,
-        dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides, *pending_strides, 0, 0,
+        state_indices, dims.num_blocks, *scalars, float(lower_bound or 0.0), *strides,
+        *pending_strides, 0, 0,
         *layer_strides(state, dims.stacked), *layer_strides(correction, dims.stacked),
         *layer_strides(key_gate, dims.stacked),
         *gate_param_strides(A_log, dt_bias, dims.stacked, K),

@@ -424,21 +424,26 @@ def deferred_plan_row(
     RECORDS: tl.constexpr,
     HAS_REQUEST_INDICES: tl.constexpr,
     ALIGN: tl.constexpr,
+    COUNT_BY_REQUEST: tl.constexpr = False,
 ):
     """The deferred commit's plan (docs/semantics.md#11-the-deferred-schedule)
-    of request `b` for the layer whose pending counts start at `pending_ptr`,
-    up to the block-table lookups (see commit_plan_row for why they stay in the
-    caller): (accepted c, total, row, final column, boundary column, recovery,
-    pending before), int64. Align mode plans from the checkpoint's
-    position, `num_computed_tokens - pending` clamped at 0; the boundary column
-    is -1 where the fold crosses no block boundary."""
+    of request `b` for the layer whose pending counts start at `pending_ptr`
+    (per block; with COUNT_BY_REQUEST per request, as the commit's copy of
+    them holds them), up to the block-table lookups (see commit_plan_row for
+    why they stay in the caller): (accepted c, total, row, final column,
+    boundary column, recovery, pending before), int64. Align mode plans from
+    the checkpoint's position, `num_computed_tokens - pending` clamped at 0;
+    the boundary column is -1 where the fold crosses no block boundary."""
     window, row, row_ok, accepted = _request_row(
         b, query_start_ptr, stride_query_start, request_ptr, stride_request, accepted_ptr,
         stride_accepted, num_rows, HAS_REQUEST_INDICES)
     source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
     valid = block_is_valid(source, num_blocks)
-    first = pending_count(pending_ptr + tl.where(valid, source, 0) * stride_pending, valid,
-                          RECORDS)
+    if COUNT_BY_REQUEST:
+        first = pending_count(pending_ptr + b * stride_pending, valid, RECORDS)
+    else:
+        first = pending_count(pending_ptr + tl.where(valid, source, 0) * stride_pending, valid,
+                              RECORDS)
     ok = row_ok & valid
     accepted_now = tl.where(ok, tl.minimum(tl.minimum(tl.maximum(accepted, 0), window),
                                            RECORDS - first), 0)

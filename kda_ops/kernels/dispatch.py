@@ -158,6 +158,7 @@ class VerifyConfig(NamedTuple):
     link_on_tensor_cores: bool  # separate_terms only
     cheap_tf32_split: bool  # separate_terms only
     prefetch_state: bool  # with a programmatic launch
+    prefetch_records: bool  # the pending records too: the deferred forms
 
     @property
     def closed_form(self) -> bool:
@@ -220,7 +221,7 @@ def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False,
             else choices.link_on_tensor_cores) and spec_len <= LINK_ON_TENSOR_CORES_UP_TO
     common = dict(form=form, key_chunk=key_chunk, link_on_tensor_cores=link,
                   cheap_tf32_split=choices.cheap_tf32_split,
-                  prefetch_state=choices.prefetch_state)
+                  prefetch_state=choices.prefetch_state, prefetch_records=deferred)
     rows = triton.next_power_of_2(value_dim)
     if form == "separate_terms":
         # 16 rows at least: smaller tiles the tensor cores only take padded.

@@ -80,7 +80,7 @@ def _verify_kernel(
     DEFERRED: tl.constexpr, TREE: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr, UNROLL_TOKENS: tl.constexpr,
     CLOSED_FORM: tl.constexpr, TENSOR_CORES: tl.constexpr, NP: tl.constexpr,
-    STAGES: tl.constexpr, PREFETCH_STATE: tl.constexpr,
+    STAGES: tl.constexpr, PREFETCH_STATE: tl.constexpr, PREFETCH_RECORDS: tl.constexpr,
     FUSED_CONV: tl.constexpr, WIDTH: tl.constexpr, BH: tl.constexpr, BVH: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     PDL: tl.constexpr,
@@ -93,7 +93,7 @@ def _verify_kernel(
         tile_rows = tl.minimum(first_tile * BV + tl.arange(0, V_TILES * BV), V - 1)
         prefetch_block_rows(state_ptr + h * stride_s_head, stride_s_blk, early_block, num_blocks,
                             tile_rows, stride_s_v, line_starts(0, K, stride_s_k, BK))
-        if DEFERRED:
+        if DEFERRED and PREFETCH_RECORDS:
             # Every record position: the pending count is not known before the wait.
             positions = tl.minimum(tl.arange(0, BR), RECORDS - 1)
             prefetch_block_rows(key_gate_ptr + h * stride_kg_head, stride_kg_blk, early_block,
@@ -203,7 +203,7 @@ def _verify_kernel(
                 key_terms, query_terms = pending_terms(
                     key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
                     dt_bias, A, lower_bound, offs_k, mask_k, pending_at, K, BK, BR, USE_LOWER_BOUND,
-                    PREFETCHED=PREFETCH_STATE)
+                    PREFETCHED=PREFETCH_STATE and PREFETCH_RECORDS)
             tl.store(vec_tile, key_terms)
             tl.store(vec_tile + BK, query_terms)
             tl.store(vec_tile + 2 * BK, keys)
@@ -519,6 +519,7 @@ def verify_launches(config, key_dim, value_dim, spec_len, use_lower_bound, pdl, 
         KEY_CHUNK=config.key_chunk, V_TILES=config.v_tiles, UNROLL_TOKENS=config.unroll_tokens,
         CLOSED_FORM=config.closed_form, TENSOR_CORES=config.tensor_cores, NP=max(16, 2 * BT),
         STAGES=config.stages, PREFETCH_STATE=config.prefetch_state and pdl,
+        PREFETCH_RECORDS=config.prefetch_records,
         **_fused_conv_constexprs(conv, value_dim, spec_len), PDL=pdl), config.num_warps)}
 
 
