@@ -145,7 +145,7 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
         eager_fold: with `pending`, whether this commit folds whatever is
             pending, as the immediate schedule does (True), or only what the
             next window needs (False); None: True below
-            DEFERRED_EAGER_FOLD_BELOW_BATCH requests (8), where that is faster
+            DEFERRED_EAGER_FOLD_BELOW_BATCH requests (16), where that is faster
             (docs/semantics.md#11-the-deferred-schedule).
     """
     check_lower_bound(lower_bound)
