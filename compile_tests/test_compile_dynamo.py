@@ -12,7 +12,8 @@ from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 import kda_ops
 from compile_helpers import (DEVICES, NOT_UNDER_INTERPRETER, assert_caches_close, assert_close,
                              clone_args, kda_call_targets, model_copy, op_problems,
-                             render_kda_calls, run_batches_1_to_64, step_inputs, tiny_model)
+                             render_kda_calls, run_batches_1_to_64, step_inputs, tiny_model,
+                             TINY)
 
 pytestmark = NOT_UNDER_INTERPRETER
 
@@ -103,6 +104,21 @@ def test_dynamic_batch_and_tokens_mark_dynamic_cpu():
     dynamic). Backend aot_eager, so that guards added by the op bodies' fake
     implementations under AOTAutograd count too."""
     model = tiny_model("cpu", num_layers=1, num_blocks=72)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model.decode_step, backend=counter, fullgraph=True)
+    run_batches_1_to_64(model, compiled, mark_dynamic=True)
+    assert counter.frame_count <= 2, f"{counter.frame_count} compiles"
+
+
+def test_deferred_step_compiles_alike_on_both_sides_of_the_eager_fold_cpu():
+    """The deferred step over batch sizes 1..64, marked dynamic: the same two
+    compiles at most, though commit folds eagerly below
+    DEFERRED_EAGER_FOLD_BELOW_BATCH requests and not from it (the batch is
+    compared as a tensor, not guarded), caches equal to eager."""
+    from kda_ops.constants import DEFERRED_EAGER_FOLD_BELOW_BATCH
+
+    assert 2 < DEFERRED_EAGER_FOLD_BELOW_BATCH < 64
+    model = tiny_model("cpu", num_layers=1, num_blocks=72, record_len=TINY["spec_len"] + 4)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model.decode_step, backend=counter, fullgraph=True)
     run_batches_1_to_64(model, compiled, mark_dynamic=True)
