@@ -7,7 +7,8 @@ Random KDA layers; each step runs a window of 1..T tokens per request through
 verify on every layer, draws how many tokens were accepted, and commits all
 layers at once, under both schedules: the immediate one (every commit folds)
 and the deferred one (records of R > T positions; the fold is written back
-when they run out of room, and a flush at the end). The float64 oracle decodes
+when they run out of room, and a flush at the end; `eager_fold=False`, as
+commit would fold every commit at the demo's small batches by default). The float64 oracle decodes
 the accepted tokens one by one; after each step the states are compared with
 it (in the deferred schedule the checkpoints folded with their pending
 records, on copies), and the report gives the largest differences and the
@@ -94,8 +95,9 @@ def run_demo(device, steps, batch, num_layers=2, H=4, K=32, V=32, T=4, seed=0, o
         accepted_total += int(accepted.sum())
         kda_ops.commit(accepted.to(torch.int32).to(device), indices, starts.to(device),
                        state=state, conv_state=None, correction=correction, key_gate=key_gate,
-                       A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, pending=pending,
-                       spec_len=None if pending is None else T)
+                       A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                       **({} if pending is None else
+                          dict(pending=pending, spec_len=T, eager_fold=False)))
         if pending is None:
             step_state, held = state, "checkpoint"
         else:

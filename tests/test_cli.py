@@ -123,6 +123,9 @@ def test_main_job_reports_each_step_on_stderr():
         assert max(errors) < 1e-4, steps
         held = "checkpoint)" if schedule == "immediate" else "pending records)"
         assert all(line.endswith(held) for line in steps), steps
+        if schedule == "deferred":  # it defers, though the default folds at this batch
+            assert any(int(re.search(r"up to (\d+) pending", line).group(1)) > 0
+                       for line in steps), steps
     assert not any(": step " in line for line in result.stdout.splitlines())
     assert result.stdout.splitlines()[-1] == "  result: OK"
 

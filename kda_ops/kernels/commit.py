@@ -62,31 +62,29 @@ def _plan(b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, comp
           stride_p_blk, SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr,
           HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr, DEFERRED: tl.constexpr,
           FLUSH: tl.constexpr):
-    """(count, row, final column, boundary column, recovery, pending before) of
-    request `b`: the commit plan's accepted count, the deferred plan's total
-    (the caller decides whether it folds now, `folds_now`), or on a flush the
-    pending count; the pending count before the commit, deferred (else 0)."""
+    """(count, row, final column, boundary column, recovery) of request `b`:
+    the commit plan's accepted count, the deferred plan's total (the caller
+    decides whether it folds now, `folds_now`), or on a flush the pending count."""
     if FLUSH:
         source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
         valid = block_is_valid(source, num_blocks)
         count = pending_count(layer_pending_ptr + tl.where(valid, source, 0) * stride_p_blk,
                               valid, RECORDS)
         zero = tl.zeros_like(source)
-        return count, zero, zero, zero - 1, zero, zero
+        return count, zero, zero, zero - 1, zero
     elif DEFERRED:
-        _, total, row, final_col, boundary_col, recovery, first = deferred_plan_row(
+        _, total, row, final_col, boundary_col, recovery, _ = deferred_plan_row(
             b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
             stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
             stride_computed, layer_pending_ptr, stride_p_blk, num_rows, num_blocks, bt_cols,
             block_size, RECORDS, HAS_REQUEST_INDICES, ALIGN)
-        return total, row, final_col, boundary_col, recovery, first
+        return total, row, final_col, boundary_col, recovery
     else:
-        commit, row, final_col, boundary_col, recovery = commit_plan_row(
+        return commit_plan_row(
             b, accepted_ptr, stride_accepted, request_ptr, stride_request,
             state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
             computed_ptr, stride_computed, num_rows, bt_cols, block_size,
             SPEC_LEN, HAS_REQUEST_INDICES, ALIGN)
-        return commit, row, final_col, boundary_col, recovery, tl.zeros_like(row)
 
 
 @triton.jit
@@ -326,7 +324,7 @@ def _commit_state_kernel(
         # layers, 32 heads, K = V = 128), and the layer stride is an int32 argument.
         layer = (tl.program_id(2) // NUM_HEADS).to(tl.int64)
         h = tl.program_id(2) % NUM_HEADS
-        commit, row, final_col, boundary_col, recovery, first = _plan(
+        commit, row, final_col, boundary_col, recovery = _plan(
             b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, computed_ptr,
             pending_ptr + layer * stride_p_layer, num_blocks, num_rows, bt_cols, block_size,
             stride_accepted, stride_request, stride_state_indices, stride_query_start,
