@@ -187,13 +187,14 @@ def deferred_problem(seed, *, stacked, align, T=3, R=7, N=24, L=2, D=12, W=4, bl
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("align", [False, True])
 @pytest.mark.parametrize("value_dim", [V, 40])
-@pytest.mark.parametrize("eager_fold", [False, None])
+@pytest.mark.parametrize("eager_fold", [False, None, True])
 def test_deferred_ops_match_the_reference(stacked, align, value_dim, eager_fold, device):
     """verify with pending records and the deferred commit, through the ops,
     against the float64 reference: outputs, records, states, conv history and
     pending counts; V = 40 spans two state tiles of the kernels, the last one
     partial, and commits without conv history (whose launch otherwise writes
-    the counts). eager_fold=None folds everything pending at this batch of 6."""
+    the counts). eager_fold=None folds everything pending at this batch of 6,
+    as True does at any."""
     import kda_ops
     from helpers import assert_rel_close
 
@@ -237,7 +238,7 @@ def test_deferred_ops_match_the_reference(stacked, align, value_dim, eager_fold,
     committed = a["state_indices"][(a["state_indices"] > 0)
                                    & (a["state_indices"] < pending.shape[-1])].long()
     left_pending = pending[..., committed]
-    if eager_fold is None:
+    if eager_fold is not False:
         assert not left_pending.any(), "every commit folds below the eager batch"
     elif not align:  # here every align-mode request crosses a block and folds
         assert left_pending.any(), "something must stay pending"
