@@ -347,6 +347,21 @@ def test_verify_tensor_cores_threshold_deferred():
     assert form(symbolic_batch * 32, 8) == "token_loop"
 
 
+def test_verify_expects_pending_records_from_the_eager_fold_batch():
+    """Below DEFERRED_EAGER_FOLD_BELOW_BATCH requests commit folds every
+    commit by default, so verify takes the immediate forms there; a batch of
+    unknown size keeps the deferred ones."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from kda_ops.constants import DEFERRED_EAGER_FOLD_BELOW_BATCH as EAGER_BELOW
+    from kda_ops.kernels.dispatch import expects_pending
+
+    assert not expects_pending(True, EAGER_BELOW - 1)
+    assert expects_pending(True, EAGER_BELOW)
+    assert not expects_pending(False, 256)
+    assert expects_pending(True, ShapeEnv().create_unbacked_symint())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_verify_layouts(device):
     """Leading dim of 1, flat dt_bias, non-power-of-two head dims, T = 1."""

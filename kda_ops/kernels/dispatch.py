@@ -77,14 +77,6 @@ LINK_ON_TENSOR_CORES_UP_TO = 8
 
 VERIFY_FORMS = ("token_loop", "closed_form", "tensor_cores", "separate_terms")
 
-
-def expects_pending(deferred, batch):
-    """Whether verify over `batch` requests takes the deferred schedule's
-    forms: below DEFERRED_EAGER_FOLD_BELOW_BATCH every commit folds by default
-    (docs/semantics.md#11-the-deferred-schedule), so windows start at no
-    pending record, as in the immediate schedule."""
-    return deferred and not statically_known_true(batch < DEFERRED_EAGER_FOLD_BELOW_BATCH)
-
 # conv_verify convolves inside verify's programs (one program per request and head then
 # holds every V tile) below this many pairs, else launches conv_update's kernel and then
 # verify's: none, as the 16-layer step at T = 4 took 221 / 258 / 343 / 486 µs that way at
@@ -176,6 +168,14 @@ class VerifyConfig(NamedTuple):
 def tensor_cores_fit(key_dim, spec_len, tree=False) -> bool:
     return key_dim >= TENSOR_CORES_MIN_KEYS and spec_len <= (
         TREE_TENSOR_CORES_UP_TO if tree else TENSOR_CORES_UP_TO)
+
+
+def expects_pending(deferred, batch):
+    """Whether verify over `batch` requests takes the deferred schedule's
+    forms: below DEFERRED_EAGER_FOLD_BELOW_BATCH every commit folds by default
+    (docs/semantics.md#11-the-deferred-schedule), so windows start at no
+    pending record, as in the immediate schedule."""
+    return deferred and not statically_known_true(batch < DEFERRED_EAGER_FOLD_BELOW_BATCH)
 
 
 def verify_form(key_dim, request_heads, spec_len, deferred=False, tree=False) -> str:
