@@ -246,10 +246,9 @@ def calls_per_index_set(shape):
     """Calls of each index set in one CUDA-graph replay: DRAWS_PER_BLOCK draws
     with acceptance < 1; with every token accepted one, or in the deferred
     schedule R // T, the commits from one fold to the next (one where every
-    commit folds). So every replay
-    folds each block equally often: replays in different fold phases would
-    take different times, and their median would time one phase while the
-    bytes count them all."""
+    commit folds). So every replay folds each block equally often: replays in
+    different fold phases would take different times, and their median would
+    time one phase while the bytes count them all."""
     if shape.acceptance < 1:
         return DRAWS_PER_BLOCK
     if shape.record_len is None or shape.folds_eagerly:
