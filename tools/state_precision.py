@@ -16,7 +16,9 @@ dt_bias the inverse softplus of dt log-uniform in [1e-3, 1e-1]), unit-scale
 raw q, k, v, gate inputs and beta logits. Prints, per state dtype, the
 relative error (Frobenius norm over the whole tensor) of the outputs of the
 last step and of the states after the last step, and the largest output
-error over all steps. With `--record-len R > T`, the deferred schedule.
+error over all steps. With `--record-len R > T`, the deferred schedule with
+tokens kept pending at every batch (`eager_fold=False`; below 16 requests
+commit's default folds every commit, as the immediate schedule does).
 """
 
 import argparse
@@ -83,7 +85,8 @@ def run(opts):
             kda_ops.commit(accepted.to(opts.device), blocks.to(opts.device),
                            qsl.to(opts.device), state=r["state"], correction=r["correction"],
                            key_gate=r["key_gate"], A_log=A_log.to(opts.device),
-                           dt_bias=dt_bias.to(opts.device), **window)
+                           dt_bias=dt_bias.to(opts.device),
+                           **(dict(window, eager_fold=False) if window else {}))
         for name in ("bfloat16", "float32"):
             runs[name]["worst"] = max(runs[name]["worst"], rel(outs[name], outs["float64"]))
     if R > T:
