@@ -7,7 +7,8 @@
 Where a decode step's time goes, kernel by kernel: for each batch, verify (one
 layer) and commit (every layer) in the immediate schedule, then in the
 deferred one with every block holding each count of pending records in turn
-(the counts are reset after each commit, so every call sees the same count).
+(the counts are reset after each commit, so every call sees the same count;
+commit keeps tokens pending at every batch, `eager_fold=False`).
 Each kernel's time is the median over 40 calls of its device time in
 torch.profiler, launched plainly (no programmatic launch, so no kernel waits
 inside its predecessor). Inputs rotate over index sets, as in the benchmark
@@ -51,8 +52,10 @@ def setup(batch, spec_len, layers, records, pending_count, accepted_count, sets,
     bench._token_inputs) of `sets * batch` blocks; the deferred schedule where
     `records` > `spec_len`, every block holding `pending_count`."""
     T = spec_len
+    # Kept pending (eager_fold=False): the counts decide the folds at every batch.
     shape = bench.Shape(batch=batch, spec_len=T, layers=layers,
-                        record_len=records if records > T else None)
+                        record_len=records if records > T else None,
+                        eager_fold=False if records > T else None)
     N = sets * batch + 1
     bufs = bench._commit_buffers(shape, device, N)
     del bufs["conv_state"]  # the state kernels only
