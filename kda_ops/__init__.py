@@ -15,5 +15,5 @@ from .value_checks import value_checks
 from . import models, naive, planner  # noqa: E402  (modules built on the API above)
 
 __all__ = ["verify", "commit", "flush", "commit_plan", "CommitPlan", "conv_update",
-           "conv_verify", "aligned_state_indices", "stage_spec_decode_metadata", "value_checks", "NULL_BLOCK",
-           "models", "naive", "planner", "__version__"]
+           "conv_verify", "aligned_state_indices", "stage_spec_decode_metadata", "value_checks",
+           "NULL_BLOCK", "models", "naive", "planner", "__version__"]

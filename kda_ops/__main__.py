@@ -8,8 +8,8 @@ verify on every layer, draws how many tokens were accepted, and commits all
 layers at once, under both schedules: the immediate one (every commit folds)
 and the deferred one (records of R > T positions; the fold is written back
 when they run out of room, and a flush at the end; `eager_fold=False`, as
-commit would fold every commit at the demo's small batches by default). The float64 oracle decodes
-the accepted tokens one by one; after each step the states are compared with
+commit would fold every commit at the demo's small batches by default). The
+float64 oracle decodes the accepted tokens one by one; after each step the states are compared with
 it (in the deferred schedule the checkpoints folded with their pending
 records, on copies), and the report gives the largest differences and the
 memory the records take.

@@ -427,7 +427,7 @@ EVERY_BATCH = 2 ** 31 - 1
 
 
 def check_eager_fold(eager_fold):
-    """Before the op's schema would turn any value into a bool."""
+    """In the public function: the op's schema turns any value into a bool."""
     if eager_fold is not None and not isinstance(eager_fold, bool):
         fail("eager_fold", f"must be True, False or None, got {eager_fold!r}")
 
@@ -438,7 +438,6 @@ def eager_fold_below(eager_fold, pending):
     for None, every batch for True, none for False."""
     if eager_fold is None:
         return DEFERRED_EAGER_FOLD_BELOW_BATCH
-    check_eager_fold(eager_fold)
     if pending is None:
         fail("eager_fold", "applies to the deferred schedule only: give it with `pending`")
     return EVERY_BATCH if eager_fold else 0

@@ -272,13 +272,13 @@ def accepted_draws(shape, calls, seed=0):
 
 def schedule_bytes(shape, draws, sets, pending, window_bytes):
     """Bytes per call of every layer's window (`window_bytes`: verify_bytes or
-    conv_verify_bytes) and the commit of `draws[j]` tokens, call j using index set j % sets. The deferred
-    schedule's count follows the pending records from `pending` (per set and
-    request) over 16 rounds of the calls after 16 uncounted ones, as the timed
-    replays follow the warm-up's: verify reads the pending records, and
-    commit reads and writes the state only where it folds (each fold reads
-    its records; every fold where it folds eagerly); the conv history moves
-    at every commit."""
+    conv_verify_bytes) and the commit of `draws[j]` tokens, call j using index
+    set j % sets. The deferred schedule's count follows the pending records
+    from `pending` (per set and request) over 16 rounds of the calls after 16
+    uncounted ones, as the timed replays follow the warm-up's: verify reads
+    the pending records, and commit reads and writes the state only where it
+    folds (at every commit with records where it folds eagerly), each fold
+    reading its records; the conv history moves at every commit."""
     T, R = shape.spec_len, shape.records
     one = _one_request(shape)
     window = window_bytes(one)

@@ -245,9 +245,10 @@ def test_commit_of_a_path_in_align_mode(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_long_run_of_random_trees_against_sequential_decoding(device):
-    """200 steps (30 interpreted or under the sanitizer); each drafts a random tree per request (1 to
-    16 nodes, mixed with chains) and accepts a random root path. States after
-    every step against sequential float64 decoding of the accepted tokens."""
+    """200 steps (30 interpreted or under the sanitizer); each drafts a random
+    tree per request (1 to 16 nodes, mixed with chains) and accepts a random
+    root path. States after every step against sequential float64 decoding
+    of the accepted tokens."""
     rng = random.Random(6)
     gen = torch.Generator().manual_seed(6)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731

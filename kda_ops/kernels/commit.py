@@ -630,8 +630,8 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
     # The history launch writes the new pending counts, from a copy of the old
     # ones the state launch (or the fold plan) makes: no launch of their own.
     history_counts = deferred and conv_state is not None
-    counts_before = torch.empty(num_pairs if history_counts else 1, dtype=torch.int32,
-                                device=state.device)
+    counts_before = (torch.empty(num_pairs, dtype=torch.int32, device=state.device)
+                     if history_counts else state_indices)  # unread without the copy
     kernel, constexprs, warps = commit_state_launch(
         K, V, dims.num_heads, spec_len, lower_bound is not None,
         request_indices is not None, plan.align, launch["PDL"], records, deferred, listed=listed,

@@ -540,7 +540,8 @@ class FusedConv(NamedTuple):
 def _fused_conv_constexprs(conv, value_dim, spec_len):
     if conv is None:
         return dict(FUSED_CONV=False, WIDTH=2, BH=1, BVH=1, HAS_BIAS=False, SILU=False)
-    return dict(FUSED_CONV=True, WIDTH=conv.width, BH=triton.next_power_of_2(conv.width - 2 + spec_len),
+    return dict(FUSED_CONV=True, WIDTH=conv.width,
+                BH=triton.next_power_of_2(conv.width - 2 + spec_len),
                 BVH=triton.next_power_of_2(value_dim), HAS_BIAS=conv.bias is not None,
                 SILU=conv.silu)
 
