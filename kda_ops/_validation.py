@@ -269,15 +269,16 @@ def _check_tree_argument(name, t, shape, device, pending, what):
     tensors of the given shape, refused with the deferred schedule."""
     if t is None:
         return
-    check_tensor(name, t, shape=shape, dtypes=INDEX_DTYPES, device=device)
     if pending is not None:
         fail(name, f"({what}) runs the immediate schedule: give no `pending` with it "
              "(docs/semantics.md#13-tree-drafts)")
+    check_tensor(name, t, shape=shape, dtypes=INDEX_DTYPES, device=device)
 
 
 def check_lower_bound(lower_bound):
-    if lower_bound is not None and not (_is_float(lower_bound) and lower_bound < 0):
-        fail("lower_bound", f"must be a negative float or None, got {lower_bound!r}")
+    if lower_bound is not None and not (_is_float(lower_bound)
+                                        and float("-inf") < lower_bound < 0):
+        fail("lower_bound", f"must be a negative finite float or None, got {lower_bound!r}")
 
 
 def check_scale(scale):
@@ -587,6 +588,9 @@ def check_stage_spec_decode_metadata(state_indices, query_start_loc, num_accepte
         fail("num_accepted_tokens", f"must have at least {source_rows} entries (one per row "
               f"of state_indices), got shape {_shape(num_accepted_tokens)}")
     slots = tuple(state_indices.shape[1:])
+    if slots == (0,):
+        fail("state_indices", f"must hold at least one slot per row, got shape "
+             f"{_shape(state_indices)}")
     check_tensor("staged_state_indices", staged_state_indices, shape=(None,) + slots,
                  dtypes=INDEX_DTYPES, device=device, written=True)
     batch = staged_state_indices.shape[0]

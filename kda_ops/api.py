@@ -14,7 +14,7 @@ from torch import Tensor
 from . import ops as _ops
 from . import value_checks
 from ._validation import (check_activation, check_eager_fold, check_int, check_int_or_tensor,
-                          check_lower_bound, check_scale)
+                          check_lower_bound, check_scale, check_tensor)
 
 __all__ = ["verify", "commit", "flush", "commit_plan", "CommitPlan", "conv_update",
            "conv_verify", "aligned_state_indices", "stage_spec_decode_metadata"]
@@ -54,7 +54,7 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
         query_start_loc: `[B + 1]` int32/int64: request b's tokens are
             `query_start_loc[b] : query_start_loc[b + 1]`.
         state_indices: `[B]` int32/int64: request b's block (<= 0: padding row).
-        lower_bound: negative float: the gate is `lower_bound * sigmoid(A (g +
+        lower_bound: negative finite float: the gate is `lower_bound * sigmoid(A (g +
             dt_bias))`; None: `-A softplus(g + dt_bias)`. Give commit the same.
         scale: query scale, default `K ** -0.5`.
         out: `[num_tokens, H, V]` like v, written (allocated when None).
@@ -317,7 +317,9 @@ def conv_verify(x: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: O
     check_scale(scale)
     if spec_len is not None:
         check_int("spec_len", spec_len)
-    if out is None:
+    if out is None:  # its shape from x, g and state: their ranks checked first
+        for name, t, ndim in (("x", x, 2), ("g", g, 3), ("state", state, 4)):
+            check_tensor(name, t, ndim=ndim)
         out = x.new_empty((x.shape[0], *g.shape[1:-1], state.shape[-2]))
     checked = None
     if value_checks.should_check(x, query_start_loc, state_indices):

@@ -118,13 +118,15 @@ def check_blocks(state_indices, num_blocks=None, *, cache_name="state"):
     return indices
 
 
-def check_accepted(num_accepted_tokens, request_indices, indices, lengths):
-    """Each live row accepts between 0 and its window's length."""
+def check_accepted(num_accepted_tokens, request_indices, indices, lengths, table_rows=None):
+    """Each live row accepts between 0 and its window's length (in align mode
+    a row past the block table's `table_rows` is null)."""
     accepted = _host(num_accepted_tokens)
     rows = (_host(request_indices) if request_indices is not None
             else torch.arange(indices.numel()))
+    limit = accepted.numel() if table_rows is None else min(accepted.numel(), table_rows)
     for b, (row, block) in enumerate(zip(rows.tolist(), indices.tolist())):
-        if block <= 0 or not 0 <= row < accepted.numel():
+        if block <= 0 or not 0 <= row < limit:
             continue
         count = accepted[row].item()
         if not 0 <= count <= lengths[b].item():
@@ -318,12 +320,17 @@ _parents_by_records = SeenTensors()
 
 def check_parents(parent, query_start_loc, indices, num_blocks, spec_len):
     """Each live tree window has its root first (-1) and every other node's
-    parent an earlier node. Returns {block: the window's parents}."""
-    parents, starts = _host(parent), _host(query_start_loc)
+    parent an earlier node. Returns {block: the window's parents} (a chain's,
+    t - 1, without `parent`)."""
+    starts, parents = _host(query_start_loc), None if parent is None else _host(parent)
     windows = {}
     for row, block in _live(indices, num_blocks):
         bos = starts[row].item()
-        nodes = parents[bos:bos + max(0, min(starts[row + 1].item() - bos, spec_len))].tolist()
+        length = max(0, min(starts[row + 1].item() - bos, spec_len))
+        if parents is None:
+            windows[block] = list(range(-1, length - 1))
+            continue
+        nodes = parents[bos:bos + length].tolist()
         for t, p in enumerate(nodes):
             if (t == 0 and p != -1) or (t > 0 and not 0 <= p < t):
                 want = "-1 (the root)" if t == 0 else f"in 0..{t - 1}"
@@ -335,22 +342,32 @@ def check_parents(parent, query_start_loc, indices, num_blocks, spec_len):
 
 def check_accepted_path(accepted_path, key_gate, request_indices, indices, lengths, accepted,
                         num_blocks, spec_len):
-    """Each live row's accepted path starts at the root 0, stays inside its
-    window and, where verify's parents are known (the checks were on), follows
-    them."""
-    paths = _host(accepted_path)
+    """Each live row's accepted path (without `accepted_path`, the chain 0, 1,
+    ...) starts at the root 0, stays inside its window and, where verify's
+    parents are known (the checks were on), follows them. Returns {row: the
+    path's last node}."""
+    paths = None if accepted_path is None else _host(accepted_path)
     rows = (_host(request_indices) if request_indices is not None
             else torch.arange(indices.numel()))
-    # Every layer of stacked records ran the same trees: layer 0's stand for them.
+    # Every layer of stacked records ran the same windows: layer 0's stand for them.
     windows = next((seen for _, seen in _parents_by_records.per_layer(key_gate, False)), {})
+    last_nodes = {}
     for b, block in _live(indices, num_blocks):
         row = rows[b].item()
         if not 0 <= row < accepted.numel():
             continue
         count = min(max(accepted[row].item(), 0), lengths[b].item(), spec_len)
-        path = paths[row, :count].tolist()
+        path = list(range(count)) if paths is None else paths[row, :count].tolist()
         window = min(lengths[b].item(), spec_len)
         parents = windows.get(block)
+        if paths is None:
+            for node in path[1:]:
+                if parents is not None and parents[node] != node - 1:
+                    fail("accepted_path", f"is not given, so row {b}'s first {count} nodes "
+                         f"fold as a chain, but verify ran its window as a tree: node {node}'s "
+                         f"parent is {parents[node]}; give the accepted path")
+            continue
+        last_nodes[b] = max(path, default=-1)
         for i, node in enumerate(path):
             if i == 0 and node != 0:
                 fail("accepted_path", f"[{row}, 0] = {node} (row {b}) must be 0, the root")
@@ -363,6 +380,7 @@ def check_accepted_path(accepted_path, key_gate, request_indices, indices, lengt
             if i > 0 and node <= path[i - 1]:
                 fail("accepted_path", f"[{row}, {i}] = {node} (row {b}) must come after the "
                      f"path's previous node {path[i - 1]}")
+    return last_nodes
 
 
 def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -392,7 +410,7 @@ def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     check_parameter_values(op, A_log=A_log, dt_bias=dt_bias, scale=scale)
     check_read_caches(op, "pending in", state, correction, key_gate, False, live)
     record_gates(key_gate, A_log, dt_bias, lower_bound)
-    _parents_by_records.record(key_gate, {} if parent is None else check_parents(
+    _parents_by_records.record(key_gate, check_parents(
         parent, query_start_loc, indices, dims.num_blocks, dims.window_len))
     windows = [(row, block, first, sum(1 for _, r in tokens if r == row))
                for row, block, first in live]
@@ -454,10 +472,11 @@ def conv_verify_call(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_b
 
 
 def _check_plan_values(num_accepted_tokens, state_indices, query_start_loc, spec_len,
-                       request_indices, num_blocks=None):
+                       request_indices, block_table, num_blocks=None):
     lengths = check_windows(query_start_loc, spec_len)
     indices = check_blocks(state_indices, num_blocks)
-    check_accepted(num_accepted_tokens, request_indices, indices, lengths)
+    check_accepted(num_accepted_tokens, request_indices, indices, lengths,
+                   None if block_table is None else block_table.shape[0])
     return indices, lengths
 
 
@@ -466,7 +485,7 @@ def commit_plan_call(num_accepted_tokens, state_indices, query_start_loc, spec_l
     check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len, request_indices,
                block_table, num_computed_tokens, block_size, state_indices.device)
     _check_plan_values(num_accepted_tokens, state_indices, query_start_loc, spec_len,
-                       request_indices)
+                       request_indices, block_table)
 
 
 def _layer_plans(dims, window_len, metadata, block_size, counts):
@@ -499,10 +518,10 @@ def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv
                               pending, spec_len, accepted_path, eager_fold)
     window_len = dims.spec_len if spec_len is None else spec_len  # T, not the records' R
     indices, lengths = _check_plan_values(num_accepted_tokens, state_indices, query_start_loc,
-                                          window_len, request_indices, dims.num_blocks)
-    if accepted_path is not None:
-        check_accepted_path(accepted_path, key_gate, request_indices, indices, lengths,
-                            _host(num_accepted_tokens), dims.num_blocks, window_len)
+                                          window_len, request_indices, block_table,
+                                          dims.num_blocks)
+    last_nodes = check_accepted_path(accepted_path, key_gate, request_indices, indices, lengths,
+                                     _host(num_accepted_tokens), dims.num_blocks, window_len)
     check_gates(key_gate, A_log, dt_bias, lower_bound, dims.stacked)
     if conv_state is not None:
         check_conv_width(conv_state, window_len, dims.stacked,
@@ -513,18 +532,41 @@ def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv
         num_computed_tokens)]
     counts = (None if pending is None else
               _host(pending).reshape(dims.num_layers if dims.stacked else 1, dims.num_blocks))
+    if counts is not None:
+        _check_room(counts, dims.spec_len, indices, lengths, dims.num_blocks, dims.stacked)
     plans = _layer_plans(dims, window_len, metadata, block_size, counts)
     if plan.align:
         for folded, fold, final, boundary in plans:
             check_written_blocks(indices, torch.where(fold, folded, 0), final, boundary,
                                  dims.num_blocks)
-    # What the commit reads: each live row's state, and its records up to the
-    # tokens it folds (every layer's most, under the deferred schedule).
-    reads = torch.stack([folded for folded, _, _, _ in plans]).amax(0)
-    live = [(row, block, reads[row].item()) for row, block in _live(indices, dims.num_blocks)
-            if reads[row] > 0]
+    # What the commit reads: each live row's state, its records up to the
+    # tokens it folds (every layer's most, under the deferred schedule; for a
+    # tree, up to its path's last node) and its history and window's inputs.
+    reads = torch.stack([folded for folded, _, _, _ in plans]).amax(0) if plans else \
+        torch.zeros_like(indices)
+    live = [(row, block, last_nodes.get(row, reads[row].item() - 1) + 1)
+            for row, block in _live(indices, dims.num_blocks) if reads[row] > 0]
     check_read_caches("commit", "given to", state, correction, key_gate, dims.stacked, live)
+    if conv_state is not None:
+        first_token = conv_state.shape[-1] - window_len  # W-2 history columns, then the window
+        inputs = [(row, block, first_token + min(lengths[row].item(), window_len))
+                  for row, block, _ in live]
+        check_cache_values("commit", "given to", "conv_state", conv_state, dims.stacked, inputs,
+                           dim=-1)
     return dims, plans
+
+
+def _check_room(counts, positions, indices, lengths, num_blocks, stacked):
+    """Under the deferred schedule each live row's window fits in the record
+    positions its block's pending records leave, in every layer."""
+    for row, block in _live(indices, num_blocks):
+        for layer, count in enumerate(counts[:, block].tolist()):
+            room = positions - min(max(count, 0), positions)
+            if lengths[row] > room:
+                where = f" in layer {layer}" if stacked else ""
+                fail("pending", f"leaves {room} of the records' {positions} positions to row "
+                     f"{row}'s window of {lengths[row].item()} tokens (block {block} has "
+                     f"{count} pending{where})")
 
 
 def commit_done(checked, state):
@@ -548,7 +590,7 @@ def flush_call(state_indices, state, correction, key_gate, pending, A_log, dt_bi
     check_parameter_values("flush", A_log=A_log, dt_bias=dt_bias)
     check_gates(key_gate, A_log, dt_bias, lower_bound, dims.stacked)
     counts = _host(pending).reshape(-1, dims.num_blocks).clamp(0, dims.spec_len)
-    live = [(row, block, counts[:, block].max().item())
+    live = [(row, block, max(counts[:, block].tolist(), default=0))
             for row, block in _live(indices, dims.num_blocks)]
     check_read_caches("flush", "pending in", state, correction, key_gate, dims.stacked, live)
     return dims, live

@@ -192,6 +192,12 @@ def test_conv_verify_refuses_mismatched_shapes():
         kda_ops.conv_verify(**dict(a, conv_bias=a["conv_bias"][:-1]))
     with pytest.raises(ValueError, match="`g` must have dtype"):
         kda_ops.conv_verify(**dict(a, g=a["g"].double()))
+    # Before `out` is allocated from their shapes.
+    for name, wrong, message in (("state", a["state"].flatten(), "`state` must have 4 dims"),
+                                 ("x", a["x"][0, 0], "`x` must have 2 dims"),
+                                 ("g", None, "`g` must be a tensor")):
+        with pytest.raises(ValueError, match=message):
+            kda_ops.conv_verify(**dict(a, **{name: wrong}, out=None))
 
 
 def test_conv_verify_value_checks_name_the_op():

@@ -323,6 +323,40 @@ def test_value_checks_under_the_deferred_schedule():
             model.decode_step(hidden, qsl, torch.tensor([1], dtype=torch.int32), accepted)
 
 
+def test_value_checks_fit_commit_s_windows_after_the_pending_records():
+    """commit checks the room its pending records leave, in every layer, as
+    verify does: a window longer would lose tokens."""
+    import kda_ops
+
+    a, _ = deferred_problem(12, stacked=True, align=False)
+    a["state_indices"][5] = 0  # its block past the cache, which the checks refuse first
+    a["pending"][1, 1] = 6  # layer 1, row 0's block: one of R = 7 positions left for 3 tokens
+    before = a["state"].clone(), a["pending"].clone()
+    with kda_ops.value_checks():
+        with pytest.raises(ValueError, match=r"`pending` leaves 1 of the records' 7 positions "
+                                             r"to row 0's window of 3 tokens \(block 1 has 6 "
+                                             r"pending in layer 1\)"):
+            kda_ops.commit(a["accepted"], a["state_indices"], a["query_start_loc"],
+                           **{name: a[name] for name in ("state", "conv_state", "correction",
+                                                         "key_gate", "A_log", "dt_bias",
+                                                         "pending")}, spec_len=3)
+    assert torch.equal(a["state"], before[0]) and torch.equal(a["pending"], before[1])
+
+
+def test_a_tree_path_with_pending_is_refused_for_the_schedule():
+    """A well-shaped path `[rows, T]` with records of R > T positions: the
+    error names the schedule, not the path's shape."""
+    import kda_ops
+
+    a, _ = deferred_problem(13, stacked=False, align=False)
+    path = torch.zeros(len(a["accepted"]), 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="`accepted_path` .*runs the immediate schedule"):
+        kda_ops.commit(a["accepted"], a["state_indices"], a["query_start_loc"],
+                       **{name: a[name] for name in ("state", "conv_state", "correction",
+                                                     "key_gate", "A_log", "dt_bias", "pending")},
+                       spec_len=3, accepted_path=path)
+
+
 @pytest.mark.parametrize("op", ["verify", "commit"])
 def test_spec_len_misuse_names_the_argument(op):
     """T must come with `pending` (kernels unroll over it), fit the records,

@@ -176,6 +176,8 @@ def test_stage_rejects_bad_arguments():
         stage(*sources, staged[0], staged[1][:-1], staged[2], 1)
     with pytest.raises(ValueError, match="`staged_num_accepted_tokens`"):
         stage(*sources, *staged[:2], staged[2][:-1], 1)
+    with pytest.raises(ValueError, match="`state_indices` must hold at least one slot"):
+        stage(sources[0][:, None][:, :0], *sources[1:], staged[0][:, None][:, :0], *staged[1:], 1)
 
 
 # --- opcheck and compile ------------------------------------------------------------

@@ -160,6 +160,20 @@ def test_value_checks_catch_a_conv_state_sized_for_another_window(device):
             commit_call(args)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_value_checks_take_rows_past_the_block_table_as_null(device):
+    """In align mode a row past the block table commits nothing, whatever its
+    accepted count; a live row's count is still checked."""
+    args = align_problem(device, [[1, 4], [2, 5]])  # row 2 has no table row
+    args["num_computed_tokens"] = args["num_computed_tokens"][:2]
+    args["num_accepted_tokens"][2] = 99
+    with kda_ops.value_checks():
+        commit_call(args)
+        args["num_accepted_tokens"][1] = 99
+        with pytest.raises(ValueError, match=r"`num_accepted_tokens` \[1\] = 99 \(row 1\)"):
+            commit_call(args)
+
+
 # ---------------------------------------------------------------- flush
 def flush_problem(device, indices):
     args, _ = make_commit_problem(device, seed=46, T=6)
@@ -185,6 +199,23 @@ def test_value_checks_cover_flush(device, indices, message):
         with pytest.raises(ValueError, match=rf"`state_indices` {message}"):
             kda_ops.flush(args.pop("state_indices"), **args)
     assert torch.equal(before[0], args["state"]) and torch.equal(before[1], args["pending"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_value_checks_take_caches_of_no_layer(device):
+    """Stacked caches of zero layers: flush and the deferred commit do
+    nothing, with or without the checks."""
+    args = flush_problem(device, (1, 3))
+    empty = {name: t[:0] for name, t in args.items() if name != "state_indices"}
+    commit_args, _ = make_commit_problem(device, seed=52, T=6, lens=(1, 2, 3),
+                                         accepted=(1, 2, 3), indices=(1, 2, 3))
+    commit_args = {name: t[:0] if name in ("state", "conv_state", "correction", "key_gate",
+                                           "A_log", "dt_bias") else t
+                   for name, t in commit_args.items()}
+    with kda_ops.value_checks():
+        kda_ops.flush(args["state_indices"], **empty)
+        commit_call(dict(commit_args, pending=empty["pending"], spec_len=3))
+
 
 
 # ---------------------------------------------------------- finite values
@@ -251,6 +282,15 @@ def test_value_checks_name_non_finite_values_in_conv_update_commit_and_flush(dev
         with pytest.raises(ValueError, match=r"`correction` holds nan in layer 1, block 2 "
                                              r"\(row 1\) given to commit"):
             commit_call(args)
+    args, _ = make_commit_problem(device, seed=51, lens=(1, 2, 3), accepted=(1, 2, 3),
+                                  indices=(1, 2, 3))
+    args["conv_state"][1, 2, 4, 0] = float("nan")  # layer 1, block 2 (row 1), its history
+    before = args["state"].clone()
+    with kda_ops.value_checks():
+        with pytest.raises(ValueError, match=r"`conv_state` holds nan in layer 1, block 2 "
+                                             r"\(row 1\) given to commit"):
+            commit_call(args)
+    assert torch.equal(args["state"], before)
     args = flush_problem(device, (1, 3))
     args["state"][0, 3, 1, 2, 2] = float("inf")
     args["pending"].fill_(2)

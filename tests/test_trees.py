@@ -334,6 +334,50 @@ def test_value_checks_catch_paths_that_leave_the_tree():
                                accepted_path=accepted_path, **commit_args)
 
 
+def test_value_checks_match_the_commit_to_the_windows_verify_ran():
+    """A path over a chain verify, and a chain commit (no path) over a tree
+    verify, fold records computed against other states: refused; a chain over
+    a chain passes."""
+    a, _ = problem("cpu", seed=10, lens=(6,), indices=(1,), shapes=("binary",))
+    commit_args = dict(state=a["state"][0], correction=a["correction"][0],
+                       key_gate=a["key_gate"][0], A_log=a["A_log"][0], dt_bias=a["dt_bias"][0])
+    accepted = torch.tensor([3], dtype=torch.int32)
+    path = torch.zeros(1, 16, dtype=torch.int32)
+    path[0, :3] = torch.tensor([0, 2, 5])  # binary: 2's parent is 0, 5's is 2
+    with kda_ops.value_checks():
+        verify_layer(a, 0)
+        with pytest.raises(ValueError, match=r"`accepted_path` is not given, so row 0's first 3 "
+                                             r"nodes fold as a chain, but verify ran its window "
+                                             r"as a tree: node 2's parent is 0"):
+            kda_ops.commit(accepted, a["state_indices"], a["query_start_loc"], **commit_args)
+        verify_layer(dict(a, parent=None), 0)
+        with pytest.raises(ValueError, match=r"`accepted_path` \[0, 1\] = 2 \(row 0\) is a "
+                                             r"child of node 1"):
+            kda_ops.commit(accepted, a["state_indices"], a["query_start_loc"],
+                           accepted_path=path, **commit_args)
+        kda_ops.commit(accepted, a["state_indices"], a["query_start_loc"], **commit_args)
+
+
+def test_value_checks_read_a_tree_commit_s_records_along_its_path():
+    """A non-finite record at a path node past the first c positions is
+    refused before the state is written."""
+    a, _ = problem("cpu", seed=11, lens=(6,), indices=(1,), shapes=("binary",))
+    path = torch.zeros(1, 16, dtype=torch.int32)
+    path[0, :2] = torch.tensor([0, 2])
+    with kda_ops.value_checks():
+        verify_layer(a, 0)
+    a["correction"][0, 1, 1, 2, 3] = float("nan")  # block 1, head 1, node 2
+    before = a["state"][0].clone()
+    with kda_ops.value_checks():
+        with pytest.raises(ValueError, match=r"`correction` holds nan in block 1 \(row 0\) "
+                                             r"given to commit"):
+            kda_ops.commit(torch.tensor([2], dtype=torch.int32), a["state_indices"],
+                           a["query_start_loc"], state=a["state"][0],
+                           correction=a["correction"][0], key_gate=a["key_gate"][0],
+                           A_log=a["A_log"][0], dt_bias=a["dt_bias"][0], accepted_path=path)
+    assert torch.equal(a["state"][0], before)
+
+
 # ---------------------------------------------------------------- planner
 def test_parents_from_lists_and_from_sglang_retrieve_arrays():
     from kda_ops.planner import parents_from_lists, parents_from_retrieve

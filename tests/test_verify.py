@@ -466,6 +466,7 @@ def test_verify_rejects_bad_input(case, mutate, name):
 @pytest.mark.parametrize("kwargs,name", [
     (dict(out=torch.empty(3, 2, 8)), "out"),
     (dict(lower_bound=2.0), "lower_bound"),
+    (dict(lower_bound=float("-inf")), "lower_bound"),
     (dict(lower_bound="-5"), "lower_bound"),
     (dict(scale="0.5"), "scale"),
     (dict(scale=True), "scale"),
