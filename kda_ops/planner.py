@@ -379,7 +379,8 @@ class StagedSpecDecodeMetadata:
     """Tree drafts (buffers made with `spec_len`): `[B * T]` window parents,
     the real tokens' first; None otherwise."""
     accepted_path: Optional[Tensor] = None
-    """Tree drafts: `[B, T]` accepted paths, real rows first, then 0 (the root)."""
+    """Tree drafts: `[B, T]` accepted paths, real rows first; the padding rows
+    after them are never read (0 until a larger batch is staged)."""
 
 
 class SpecDecodeGraphBuffers:
@@ -497,18 +498,30 @@ def parents_from_retrieve(retrieve_next_token: Tensor, retrieve_next_sibling: Te
     parent = torch.full((batch, nodes + 1), -1, dtype=torch.long, device=child.device)
     # A first child's parent is its node; -1 entries land in the spare column.
     parent.scatter_(1, torch.where(child >= 0, child, nodes), node)
+    younger = torch.where(sibling >= 0, sibling, nodes)
     for _ in range(nodes - 1):  # a sibling shares its elder sibling's parent
-        parent.scatter_(1, torch.where(sibling >= 0, sibling, nodes), parent[:, :nodes])
+        # Out of place: the source must not alias what the scatter writes.
+        parent = parent.scatter(1, younger, parent[:, :nodes])
     return parent[:, :nodes].reshape(-1).to(torch.int32)
 
 
-def accepted_path_from_indices(accept_index: Tensor, query_start_loc: Tensor) -> tuple:
-    """SGLang-style accepted nodes `[B, T]` (packed token indices in path
-    order, -1 after the last) to `commit`'s `(num_accepted_tokens [B],
-    accepted_path [B, T])`, int32, window-relative, on their device."""
+def accepted_path_from_indices(accept_index: Tensor, query_start_loc: Tensor, *,
+                               spec_len: Optional[int] = None) -> tuple:
+    """SGLang-style accepted nodes `[B, P]` (packed token indices in path
+    order, -1 after the last; SGLang's `accept_index` has P = draft steps + 1)
+    to `commit`'s `(num_accepted_tokens [B], accepted_path [B, T])`, int32,
+    window-relative, on their device. `spec_len` (T, at least P) pads the
+    paths with 0 to T columns, as `commit` takes them; default P."""
     check_tensor("accept_index", accept_index, ndim=2, dtypes=INDEX_DTYPES)
     check_tensor("query_start_loc", query_start_loc, shape=(accept_index.shape[0] + 1,),
                  dtypes=INDEX_DTYPES, device=accept_index.device)
+    width = accept_index.shape[1]
+    if spec_len is not None and (isinstance(spec_len, bool) or not isinstance(spec_len, int)
+                                 or spec_len < width):
+        fail("spec_len", f"must be an int of at least accept_index's {width} columns, got "
+             f"{spec_len!r}")
     taken = accept_index >= 0
     path = torch.where(taken, accept_index.long() - query_start_loc[:-1, None].long(), 0)
+    if spec_len is not None:
+        path = torch.nn.functional.pad(path, (0, spec_len - width))
     return taken.sum(1).to(torch.int32), path.to(torch.int32)

@@ -273,14 +273,34 @@ def test_the_model_is_unchanged_without_a_kda_cache():
     assert rel_error(logits, Oracle(model)(ids)[0]) > 1e-3
 
 
+def test_a_prompt_after_assisted_generation_keeps_the_window_length():
+    """After assisted generation, a plain generation whose prompt continues
+    the cache by more than the 64-token prefill window runs it in prefill
+    windows (T stays); a shorter continuation may be rolled back whole (T
+    grows to it). Both give a fresh cache's tokens."""
+    model = kimi_linear(CONFIGS["A"], seed=3)
+    cache = KDACache(model)
+    out = model.generate(prompt(0)[:, :16], max_new_tokens=8, do_sample=False,
+                         prompt_lookup_num_tokens=3, cache=cache)
+    assert cache.spec_len == 4
+    for extra in (70, 9):
+        more = torch.randint(2, 256, (1, extra), generator=torch.Generator().manual_seed(extra))
+        longer = torch.cat([out, more], dim=1)
+        out = model.generate(longer, max_new_tokens=4, do_sample=False, cache=cache)
+        assert torch.equal(out, model.generate(longer, max_new_tokens=4, do_sample=False,
+                                               cache=KDACache(model)))
+        assert cache.spec_len == (4 if extra == 70 else extra + 1)
+
+
 def test_crop_rolls_back_only_within_the_last_window():
     model = kimi_linear(CONFIGS["A"])
     cache = KDACache(model, spec_len=4)
     with torch.no_grad():
         model(prompt(0)[:, :10], cache=cache)
         model(prompt(1)[:, :3], cache=cache)
-    with pytest.raises(ValueError, match="at most the 3 tokens"):
-        cache.crop(-4)
+    for remove in (4, 3):  # the window's first input replaced the history's oldest
+        with pytest.raises(ValueError, match="at most 2 of the 3 tokens"):
+            cache.crop(-remove)
     with pytest.raises(ValueError, match="negative int"):
         cache.crop(2)
     cache.crop(-2)

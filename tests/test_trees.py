@@ -390,12 +390,40 @@ def test_parents_from_lists_and_from_sglang_retrieve_arrays():
     assert parents_from_retrieve(next_token, next_sibling).tolist() == trees[0] + trees[1]
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_parents_from_retrieve_arrays_of_random_trees(batch):
+    """Random trees of 1 to 16 nodes, each node's children listed in a random
+    order; one request included (its views of the parents are contiguous)."""
+    from kda_ops.planner import parents_from_retrieve
+    rng = random.Random(batch)
+    for _ in range(20):
+        T = rng.randint(1, 16)
+        trees = [[-1] + [rng.randrange(t) for t in range(1, T)] for _ in range(batch)]
+        next_token = torch.full((batch, T), -1, dtype=torch.int32)
+        next_sibling = torch.full((batch, T), -1, dtype=torch.int32)
+        for b, tree in enumerate(trees):
+            for node in range(T):
+                children = [t for t in range(T) if tree[t] == node]
+                rng.shuffle(children)
+                if children:
+                    next_token[b, node] = children[0]
+                for elder, younger in zip(children, children[1:]):
+                    next_sibling[b, elder] = younger
+        assert parents_from_retrieve(next_token, next_sibling).tolist() == sum(trees, [])
+
+
 def test_accepted_path_from_packed_indices():
     from kda_ops.planner import accepted_path_from_indices
     qsl = torch.tensor([0, 6, 12], dtype=torch.int32)
     accept_index = torch.tensor([[0, 1, 3, -1], [6, 7, -1, -1]])
     counts, paths = accepted_path_from_indices(accept_index, qsl)
     assert counts.tolist() == [3, 2] and paths.tolist() == [[0, 1, 3, 0], [0, 1, 0, 0]]
+    # SGLang's accept_index is [B, draft steps + 1], narrower than the T nodes.
+    counts, paths = accepted_path_from_indices(accept_index[:, :3], qsl, spec_len=6)
+    assert counts.tolist() == [3, 2]
+    assert paths.tolist() == [[0, 1, 3, 0, 0, 0], [0, 1, 0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="`spec_len` must be an int of at least"):
+        accepted_path_from_indices(accept_index, qsl, spec_len=3)
 
 
 def test_planner_carries_tree_metadata_to_the_ops_and_the_graph_buffers():

@@ -258,8 +258,10 @@ class KDACache(Cache):
             raise ValueError(f"kda_ops.transformers: the cache holds {self.batch_size} "
                              f"sequences, the forward brings {batch}: reset() it first")
         # A recording generation rolls back up to a whole window after a
-        # forward that continues the sequence: T must hold it.
-        if self._recording is not None and not self._fresh:
+        # forward that continues the sequence: T must hold it. A longer
+        # forward is a prompt (a later generation continuing the cache): T
+        # stays, rather than growing for good with the prompt.
+        if self._recording is not None and not self._fresh and length <= PREFILL_WINDOW:
             self._spec_len = max(self._spec_len, length)
         self._window = min(length, self._spec_len)
         # The tokens before the window (a prompt) run in windows of up to
@@ -334,10 +336,12 @@ class KDACache(Cache):
             raise ValueError(f"kda_ops.transformers: `crop` takes the number of tokens to "
                              f"remove as a negative int, got {tokens_to_remove}")
         remove = -tokens_to_remove
-        if remove > self._window:
-            raise ValueError(f"kda_ops.transformers: `crop` can remove at most the "
-                             f"{self._window} tokens of the last forward's window (a KDA layer "
-                             f"keeps no earlier state), got {remove}")
+        limit = max(self._window - 1, 0)
+        if remove > limit:
+            raise ValueError(f"kda_ops.transformers: `crop` can remove at most {limit} of the "
+                             f"{self._window} tokens of the last forward's window: a KDA layer "
+                             f"keeps no earlier state, and the window's first input has "
+                             f"replaced the oldest of its convolution history; got {remove}")
         self._settle(remove)
         self._seq_len -= remove
         for layer in self._attention_layers():
