@@ -8,8 +8,9 @@ they run at once, that is a race.
     TRITON_INTERPRET=1 python -m pytest -p tools.grid_order --grid-order shuffle:7 tests
 
 As a context manager: `with program_order("reverse"): ...`. The patched call
-follows `triton.runtime.interpreter.GridExecutor.__call__` of Triton 3.6 to
-3.9; tests/test_grid_order.py checks that it still takes effect.
+follows `triton.runtime.interpreter.GridExecutor.__call__` of Triton 3.9,
+which the interpreter tests run; tests/test_grid_order.py checks that it
+still takes effect.
 """
 
 import argparse
