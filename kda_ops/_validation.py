@@ -520,15 +520,22 @@ def conv_verify_split(x, num_heads, key_dim, value_dim):
                  x.split([num_heads * key_dim, num_heads * key_dim, num_heads * value_dim], -1))
 
 
+def conv_verify_out_shape(x, g, state):
+    """`out`'s shape `[tokens, H, V]` from x, g (H, K) and state (V), their
+    ranks checked first; check_verify checks the rest of g and state."""
+    for name, t, ndim in (("x", x, 2), ("g", g, 3), ("state", state, 4)):
+        check_tensor(name, t, ndim=ndim)
+    return x.shape[0], g.shape[1], state.shape[2]
+
+
 def check_conv_verify(x, conv_state, conv_weight, conv_bias, g, beta, A_log, dt_bias, state,
                       correction, key_gate, query_start_loc, state_indices, activation,
                       lower_bound, out, pending=None, window_len=None,
                       parent=None) -> ConvVerifyDims:
     conv = check_conv_update(x, conv_state, conv_weight, conv_bias, query_start_loc,
                              state_indices, activation, None, parent, "conv_weight", "conv_bias")
-    check_tensor("g", g, ndim=3)  # H and K; check_verify checks the rest of g and state
-    check_tensor("state", state, ndim=4)
-    num_heads, key_dim, value_dim = g.shape[1], g.shape[2], state.shape[2]
+    _, num_heads, value_dim = conv_verify_out_shape(x, g, state)
+    key_dim = g.shape[2]
     if conv.dim != num_heads * (2 * key_dim + value_dim):
         fail("x", f"must hold q | k | v, H (2K + V) = {num_heads * (2 * key_dim + value_dim)} "
              f"channels for H = {num_heads}, K = {key_dim} (g) and V = {value_dim} (state), got "

@@ -14,7 +14,7 @@ from torch import Tensor
 from . import ops as _ops
 from . import value_checks
 from ._validation import (check_activation, check_eager_fold, check_int, check_int_or_tensor,
-                          check_lower_bound, check_scale, check_tensor)
+                          check_lower_bound, check_scale, conv_verify_out_shape)
 
 __all__ = ["verify", "commit", "flush", "commit_plan", "CommitPlan", "conv_update",
            "conv_verify", "aligned_state_indices", "stage_spec_decode_metadata"]
@@ -317,10 +317,8 @@ def conv_verify(x: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: O
     check_scale(scale)
     if spec_len is not None:
         check_int("spec_len", spec_len)
-    if out is None:  # its shape from x, g and state: their ranks checked first
-        for name, t, ndim in (("x", x, 2), ("g", g, 3), ("state", state, 4)):
-            check_tensor(name, t, ndim=ndim)
-        out = x.new_empty((x.shape[0], *g.shape[1:-1], state.shape[-2]))
+    if out is None:
+        out = x.new_empty(conv_verify_out_shape(x, g, state))
     checked = None
     if value_checks.should_check(x, query_start_loc, state_indices):
         checked = value_checks.conv_verify_call(

@@ -345,13 +345,13 @@ def check_accepted_path(accepted_path, key_gate, request_indices, indices, lengt
     """Each live row's accepted path (without `accepted_path`, the chain 0, 1,
     ...) starts at the root 0, stays inside its window and, where verify's
     parents are known (the checks were on), follows them. Returns {row: the
-    path's last node}."""
+    record positions a given path reads}."""
     paths = None if accepted_path is None else _host(accepted_path)
     rows = (_host(request_indices) if request_indices is not None
             else torch.arange(indices.numel()))
     # Every layer of stacked records ran the same windows: layer 0's stand for them.
     windows = next((seen for _, seen in _parents_by_records.per_layer(key_gate, False)), {})
-    last_nodes = {}
+    extents = {}
     for b, block in _live(indices, num_blocks):
         row = rows[b].item()
         if not 0 <= row < accepted.numel():
@@ -360,14 +360,8 @@ def check_accepted_path(accepted_path, key_gate, request_indices, indices, lengt
         path = list(range(count)) if paths is None else paths[row, :count].tolist()
         window = min(lengths[b].item(), spec_len)
         parents = windows.get(block)
-        if paths is None:
-            for node in path[1:]:
-                if parents is not None and parents[node] != node - 1:
-                    fail("accepted_path", f"is not given, so row {b}'s first {count} nodes "
-                         f"fold as a chain, but verify ran its window as a tree: node {node}'s "
-                         f"parent is {parents[node]}; give the accepted path")
-            continue
-        last_nodes[b] = max(path, default=-1)
+        if paths is not None:
+            extents[b] = max(path, default=-1) + 1
         for i, node in enumerate(path):
             if i == 0 and node != 0:
                 fail("accepted_path", f"[{row}, 0] = {node} (row {b}) must be 0, the root")
@@ -375,12 +369,16 @@ def check_accepted_path(accepted_path, key_gate, request_indices, indices, lengt
                 fail("accepted_path", f"[{row}, {i}] = {node} (row {b}) lies outside its "
                      f"window's {window} nodes")
             if i > 0 and parents is not None and parents[node] != path[i - 1]:
+                if paths is None:
+                    fail("accepted_path", f"is not given, so row {b}'s first {count} nodes "
+                         f"fold as a chain, but verify ran its window as a tree: node {node}'s "
+                         f"parent is {parents[node]}; give the accepted path")
                 fail("accepted_path", f"[{row}, {i}] = {node} (row {b}) is a child of node "
                      f"{parents[node]}, not of the path's previous node {path[i - 1]}")
             if i > 0 and node <= path[i - 1]:
                 fail("accepted_path", f"[{row}, {i}] = {node} (row {b}) must come after the "
                      f"path's previous node {path[i - 1]}")
-    return last_nodes
+    return extents
 
 
 def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
@@ -396,14 +394,9 @@ def verify_call(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     indices = check_blocks(state_indices, dims.num_blocks)
     counts = _host(pending) if pending is not None else torch.zeros(dims.num_blocks,
                                                                     dtype=torch.int64)
+    _check_room(counts[None], dims.spec_len, indices, lengths, dims.num_blocks, False)
     live = [(row, block, min(max(counts[block].item(), 0), dims.spec_len))
             for row, block in _live(indices, dims.num_blocks)]
-    for row, block, first in live:
-        room = dims.spec_len - first
-        if lengths[row] > room:
-            fail("pending", f"leaves {room} of the records' {dims.spec_len} positions to row "
-                 f"{row}'s window of {lengths[row].item()} tokens (block {block} has "
-                 f"{counts[block].item()} pending)")
     tokens = _window_tokens(query_start_loc, indices, dims.num_blocks, dims.window_len)
     check_token_values(op, "given to", 3, tokens, q=q, k=k, v=v, g=g)
     check_token_values(op, "given to", 2, tokens, beta=beta)
@@ -520,7 +513,7 @@ def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv
     indices, lengths = _check_plan_values(num_accepted_tokens, state_indices, query_start_loc,
                                           window_len, request_indices, block_table,
                                           dims.num_blocks)
-    last_nodes = check_accepted_path(accepted_path, key_gate, request_indices, indices, lengths,
+    extents = check_accepted_path(accepted_path, key_gate, request_indices, indices, lengths,
                                      _host(num_accepted_tokens), dims.num_blocks, window_len)
     check_gates(key_gate, A_log, dt_bias, lower_bound, dims.stacked)
     if conv_state is not None:
@@ -544,7 +537,7 @@ def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv
     # tree, up to its path's last node) and its history and window's inputs.
     reads = torch.stack([folded for folded, _, _, _ in plans]).amax(0) if plans else \
         torch.zeros_like(indices)
-    live = [(row, block, last_nodes.get(row, reads[row].item() - 1) + 1)
+    live = [(row, block, extents.get(row, reads[row].item()))
             for row, block in _live(indices, dims.num_blocks) if reads[row] > 0]
     check_read_caches("commit", "given to", state, correction, key_gate, dims.stacked, live)
     if conv_state is not None:
@@ -558,7 +551,8 @@ def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv
 
 def _check_room(counts, positions, indices, lengths, num_blocks, stacked):
     """Under the deferred schedule each live row's window fits in the record
-    positions its block's pending records leave, in every layer."""
+    positions its block's pending records leave, in every layer (`counts`
+    `[layers, N]`)."""
     for row, block in _live(indices, num_blocks):
         for layer, count in enumerate(counts[:, block].tolist()):
             room = positions - min(max(count, 0), positions)
