@@ -29,8 +29,8 @@ effective bandwidth as a fraction of the device-to-device copy bandwidth
 measured in the same run. Inputs rotate over up to 64 index sets, so that the
 state blocks (conv_update: history blocks) touched reach ROTATION_BYTES, about
 8x the L2 cache, where 64 sets allow it; docs/performance.md names the small
-batches where they do not. `--save` appends the run's rows to a long-format
-table (a CSV file, a row per op and shape: SAVED_COLUMNS); `--table` prints
+batches where they do not. `--save` appends each row, as it is measured, to a
+long-format table (a CSV file, a row per op and shape: SAVED_COLUMNS); `--table` prints
 saved runs from one as markdown tables (no GPU needed): docs/performance.md's
 tables are that output of docs/bench_runs.csv.
 """
@@ -503,10 +503,9 @@ def _variants(op, T, record_lens, acceptances, eager_folds=(None,)):
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def run(ops, batches, spec_lens, layers, device, record_lens=(), acceptances=(1.0,),
-        state_dtypes=("float32",), eager_folds=(None,)):
-    copy_bw = copy_bandwidth(device)
-    rows = []
+def measure(ops, batches, spec_lens, layers, device, copy_bw, record_lens=(),
+            acceptances=(1.0,), state_dtypes=("float32",), eager_folds=(None,)):
+    """Yields a row per op and shape as it is measured, each printed to stderr."""
     shapes = ((op, state, Shape(batch=B, spec_len=T, layers=layers,
                                 state_dtype=STATE_DTYPES[state], **variant))
               for op in ops for T in spec_lens
@@ -516,18 +515,26 @@ def run(ops, batches, spec_lens, layers, device, record_lens=(), acceptances=(1.
         calls, moved = SETUPS[op](shape, device)
         us = graph_time_us(calls)
         bw = moved / (us * 1e-6)
-        rows.append(dict(op=op, batch=shape.batch, spec_len=shape.spec_len,
-                         record_len=shape.record_len, eager_fold=shape.eager_fold,
-                         acceptance=shape.acceptance, tree=shape.tree, state=state,
-                         layers=1 if op in ONE_LAYER_OPS else layers,
-                         time_us=us, bytes=moved, bandwidth_gbs=bw / 1e9,
-                         fraction_of_copy=bw / copy_bw, floor_us=moved / copy_bw * 1e6))
-        print(f"{_label(rows[-1]):32s} T={shape.spec_len} B={shape.batch:4d}  {us:9.1f} us  "
+        row = dict(op=op, batch=shape.batch, spec_len=shape.spec_len,
+                   record_len=shape.record_len, eager_fold=shape.eager_fold,
+                   acceptance=shape.acceptance, tree=shape.tree, state=state,
+                   layers=1 if op in ONE_LAYER_OPS else layers,
+                   time_us=us, bytes=moved, bandwidth_gbs=bw / 1e9,
+                   fraction_of_copy=bw / copy_bw, floor_us=moved / copy_bw * 1e6)
+        print(f"{_label(row):32s} T={shape.spec_len} B={shape.batch:4d}  {us:9.1f} us  "
               f"{bw / 1e9:7.0f} GB/s  {bw / copy_bw:6.1%} of copy  "
               f"(floor {moved / copy_bw * 1e6:8.1f} us)", file=sys.stderr, flush=True)
         del calls
         torch.cuda.empty_cache()
-    return copy_bw, rows
+        yield row
+
+
+def run(ops, batches, spec_lens, layers, device, record_lens=(), acceptances=(1.0,),
+        state_dtypes=("float32",), eager_folds=(None,)):
+    """The copy bandwidth and every row of `measure`."""
+    copy_bw = copy_bandwidth(device)
+    return copy_bw, list(measure(ops, batches, spec_lens, layers, device, copy_bw, record_lens,
+                                 acceptances, state_dtypes, eager_folds))
 
 
 def _label(row):
@@ -802,8 +809,9 @@ def main(argv=None):
                         help="layers for the ops that run every layer (commit, commit_align, "
                              "verify_commit, the step ops) (default: %(default)s)")
     parser.add_argument("--save", default="bench_runs.csv", metavar="CSV",
-                        help="append the run's rows, with its GPU, versions, copy bandwidth, "
-                             "commit and date, to this long-format table (default: "
+                        help="append each row as it is measured, with the run's GPU, versions, "
+                             "copy bandwidth, commit and date, to this long-format table "
+                             "(default: "
                              "%(default)s)")
     parser.add_argument("--run", default=None, metavar="NAME",
                         help="the run's name in the saved table (default: GPU and time)")
@@ -832,15 +840,19 @@ def main(argv=None):
     import triton
     device = torch.device("cuda")
     torch.manual_seed(0)
-    copy_bw, rows = run(opts.ops, opts.batches, opts.spec_lens, opts.layers, device,
-                        opts.record_lens, opts.acceptance, opts.state_dtypes, opts.eager_fold)
+    copy_bw = copy_bandwidth(device)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, copy_bandwidth_gbs=copy_bw / 1e9,
                 commit=_commit(), date=time.strftime("%Y-%m-%d"))
+    name = opts.run or f"{meta['gpu']} {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    rows = []
+    # Each row is saved as it is measured: an interrupted run keeps what it measured.
+    for row in measure(opts.ops, opts.batches, opts.spec_lens, opts.layers, device, copy_bw,
+                       opts.record_lens, opts.acceptance, opts.state_dtypes, opts.eager_fold):
+        save_run(opts.save, name, meta, [row])
+        rows.append(row)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {meta['gpu']} "
           f"(torch {meta['torch']}, triton {meta['triton']})")
-    name = opts.run or f"{meta['gpu']} {time.strftime('%Y-%m-%d %H:%M:%S')}"
-    save_run(opts.save, name, meta, rows)
     print(markdown_table([dict(meta=meta, rows=rows)]))
     if opts.plot:
         plot(rows, opts.plot)

@@ -283,6 +283,33 @@ def test_saved_runs_round_trip(tmp_path):
     assert bench.load_runs(path, ["second"]) == runs[1:]
 
 
+
+def test_an_interrupted_run_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """--save appends each row as it is measured: a benchmark stopped part way
+    (a timeout, ^C) leaves the rows before the stop in the table."""
+    times = iter([11.0, 12.0])
+
+    def time_or_stop(calls):
+        try:
+            return next(times)
+        except StopIteration:
+            raise KeyboardInterrupt from None
+
+    monkeypatch.setattr(bench, "exit_unless_cuda_runs", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "GPU X")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e12)
+    monkeypatch.setattr(bench, "graph_time_us", time_or_stop)
+    monkeypatch.setitem(bench.SETUPS, "verify", lambda shape, device: ([], 1e6))
+    path = tmp_path / "runs.csv"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--ops", "verify", "--batches", "1,2,4", "--spec-lens", "4",
+                    "--save", str(path), "--run", "stopped"])
+    [run] = bench.load_runs(path)
+    assert run["name"] == "stopped" and run["meta"]["gpu"] == "GPU X"
+    assert [(row["batch"], row["time_us"]) for row in run["rows"]] == [(1, 11.0), (2, 12.0)]
+
+
 # The saved runs whose tables docs/performance.md shows.
 DOC_RUNS = ["h200-2026-12-05", "h100-deferred-t4", "h100-trees-t8", "h100-trees-t16"]
 
