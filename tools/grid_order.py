@@ -7,7 +7,9 @@ they run at once, that is a race.
     TRITON_INTERPRET=1 python -m pytest -p tools.grid_order --grid-order reverse tests
     TRITON_INTERPRET=1 python -m pytest -p tools.grid_order --grid-order shuffle:7 tests
 
-As a context manager: `with program_order("reverse"): ...`. The patched call
+Under pytest a shuffle is drawn afresh for each test from the seed and the
+test's id, so a test shuffles alike alone, in a whole run and on any xdist
+worker. As a context manager: `with program_order("reverse"): ...`. The patched call
 follows `triton.runtime.interpreter.GridExecutor.__call__` of Triton 3.9,
 which the interpreter tests run; tests/test_grid_order.py checks that it
 still takes effect.
@@ -17,6 +19,8 @@ import argparse
 import contextlib
 import inspect
 import random
+
+import pytest
 
 ORDERS = ("grid", "reverse", "shuffle")
 
@@ -65,13 +69,19 @@ def _permuted_call(name, rng):
 @contextlib.contextmanager
 def program_order(order):
     """Interpreted launches run their programs in `order` ("grid", "reverse"
-    or "shuffle[:SEED]") inside the block."""
+    or "shuffle[:SEED]") inside the block; yields a `reseed(key)` that
+    restarts the shuffle from the seed and `key`."""
     name, seed = _parse(order)
-    from triton.runtime.interpreter import GridExecutor
-    original = GridExecutor.__call__
-    GridExecutor.__call__ = _permuted_call(name, random.Random(seed))
+    rng = random.Random(seed)
     try:
-        yield
+        from triton.runtime.interpreter import GridExecutor
+    except ImportError:  # without Triton no launch is interpreted: nothing to reorder
+        yield lambda key: None
+        return
+    original = GridExecutor.__call__
+    GridExecutor.__call__ = _permuted_call(name, rng)
+    try:
+        yield lambda key: rng.seed(f"{seed}:{key}")  # str seeds hash alike in every process
     finally:
         GridExecutor.__call__ = original
 
@@ -90,7 +100,14 @@ def pytest_addoption(parser):
                           "reverse or shuffle[:SEED]")
 
 
+_RESEED = pytest.StashKey()
+
+
 def pytest_configure(config):
     order = program_order(config.getoption("--grid-order"))
-    order.__enter__()
+    config.stash[_RESEED] = order.__enter__()
     config.add_cleanup(lambda: order.__exit__(None, None, None))
+
+
+def pytest_runtest_setup(item):
+    item.config.stash[_RESEED](item.nodeid)
