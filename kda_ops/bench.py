@@ -604,6 +604,56 @@ def markdown_table(runs):
     return "\n".join(lines + ([""] + memory if memory else []))
 
 
+# The chain op a tree op is measured against.
+CHAIN_OPS = {"verify_tree": "verify", "commit_tree": "commit"}
+
+
+def _baseline(row):
+    """The row a row is measured against in `ratio_table`: a deferred row the
+    immediate one of its op, window, acceptance and state dtype; a tree row
+    its chain op's; None for the others."""
+    if row.get("record_len") is not None:
+        return dict(row, record_len=None, eager_fold=None)
+    if row.get("tree") is not None:
+        return dict(row, op=CHAIN_OPS[row["op"]], tree=None)
+    return None
+
+
+def ratio_table(runs):
+    """Each deferred row's time over the immediate schedule's and each tree
+    row's over its chain op's, of the same run (`_baseline`), as a markdown
+    table: a row per op and window length, a cell per batch; "" where no row
+    has a baseline."""
+    batches = sorted({row["batch"] for run in runs for row in run["rows"]})
+    ratios = {}  # (label, baseline's label, T) -> {batch: ratio}
+    for run in runs:
+        times = {(_label(row), row["spec_len"], row["batch"]): row["time_us"]
+                 for row in run["rows"]}
+        for row in run["rows"]:
+            baseline = _baseline(row)
+            against = None if baseline is None else _label(baseline)
+            base_us = times.get((against, row["spec_len"], row["batch"]))
+            if base_us is not None:
+                ratios.setdefault((_label(row), against, row["spec_len"]), {})[row["batch"]] = (
+                    row["time_us"] / base_us)
+    if not ratios:
+        return ""
+    lines = ["| op | against | T | " + " | ".join(f"B = {b}" for b in batches) + " |",
+             "|---|---|---|" + "---|" * len(batches)]
+    for (label, against, T), cells in ratios.items():
+        lines.append(f"| {label} | {against} | {T} | "
+                     + " | ".join(f"{cells[b]:.2f}×" if b in cells else "" for b in batches)
+                     + " |")
+    return "\n".join(lines)
+
+
+def _tables(runs):
+    """What `--table` prints of runs shown together: markdown_table, then
+    ratio_table where it has rows."""
+    ratios = ratio_table(runs)
+    return [markdown_table(runs)] + ([ratios] if ratios else [])
+
+
 def _record_memory_lines(runs):
     """Per request and layer, for each (T, R, state dtype) of a deferred row:
     the records' bytes next to one state's and to the T states that
@@ -831,8 +881,8 @@ def main(argv=None):
             runs = load_runs(opts.table, opts.runs)
         except ValueError as error:
             parser.error(f"argument --table: {error}")
-        print("\n\n".join([markdown_table(runs)] if opts.runs else
-                           [markdown_table([run]) for run in runs]))
+        print("\n\n".join(_tables(runs) if opts.runs else
+                           [text for run in runs for text in _tables([run])]))
         if opts.plot:
             plot([row for run in runs for row in run["rows"]], opts.plot)
         return
@@ -853,7 +903,7 @@ def main(argv=None):
         rows.append(row)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {meta['gpu']} "
           f"(torch {meta['torch']}, triton {meta['triton']})")
-    print(markdown_table([dict(meta=meta, rows=rows)]))
+    print("\n\n".join(_tables([dict(meta=meta, rows=rows)])))
     if opts.plot:
         plot(rows, opts.plot)
 

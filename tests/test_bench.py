@@ -316,10 +316,11 @@ DOC_RUNS = ["h200-2026-12-05", "h100-deferred-t4", "h100-trees-t8", "h100-trees-
 
 @pytest.mark.parametrize("name", DOC_RUNS)
 def test_performance_doc_shows_the_saved_runs(name):
-    """docs/performance.md's tables are `--table` of the saved runs, so they
-    cannot drift from the rows they come from."""
-    assert (bench.markdown_table(bench.load_runs(SAVED_RUNS, [name]))
-            in (DOCS / "performance.md").read_text())
+    """docs/performance.md's tables are `--table` of the saved runs (with the
+    ratio table where the run has one), so they cannot drift from the rows
+    they come from."""
+    runs = bench.load_runs(SAVED_RUNS, [name])
+    assert "\n\n".join(bench._tables(runs)) in (DOCS / "performance.md").read_text()
 
 
 def test_table_prints_each_saved_run(capsys):
@@ -327,6 +328,33 @@ def test_table_prints_each_saved_run(capsys):
     printed = capsys.readouterr().out
     for run in bench.load_runs(SAVED_RUNS):
         assert bench.markdown_table([run]) in printed
+        assert bench.ratio_table([run]) in printed
+
+
+def test_ratio_table_against_each_row_s_baseline():
+    """A deferred row over the immediate row of its op, window, acceptance and
+    state dtype; a tree row over its chain op's; rows without a baseline in
+    the run are left out, and a batch without one is an empty cell."""
+    def row(op, batch, time_us, **fields):
+        return dict(dict(op=op, spec_len=4, batch=batch, time_us=time_us, record_len=None,
+                         eager_fold=None, acceptance=1.0, tree=None, state="float32"), **fields)
+
+    runs = [dict(meta=META, rows=[
+        row("step", 1, 100.0), row("step", 64, 2000.0),
+        row("step", 1, 150.0, acceptance=0.7), row("step", 64, 1800.0, acceptance=0.7),
+        row("step", 1, 160.0, record_len=12), row("step", 64, 1300.0, record_len=12),
+        row("step", 64, 1170.0, record_len=12, acceptance=0.7, eager_fold=False),
+        row("step", 64, 900.0, record_len=12, state="bfloat16"),
+        row("verify", 1, 5.0), row("verify_tree", 1, 6.5, tree="balanced"),
+        row("commit_tree", 1, 30.0, tree="chain")])]
+    assert bench.ratio_table(runs).splitlines() == [
+        "| op | against | T | B = 1 | B = 64 |",
+        "|---|---|---|---|---|",
+        "| step, deferred R = 12 | step | 4 | 1.60× | 0.65× |",
+        "| step, deferred R = 12, eager fold off, a = 0.7 | step, a = 0.7 | 4 |  | 0.65× |",
+        "| verify_tree, balanced tree | verify | 4 | 1.30× |  |",
+    ]
+    assert bench.ratio_table([dict(meta=META, rows=[row("verify", 1, 5.0)])]) == ""
 
 
 def test_plot_of_saved_runs(tmp_path):
