@@ -1,8 +1,9 @@
 """Tree drafts under torch.compile: a step of conv_update and verify over tree
 windows and the commit of accepted paths captures as one graph (fullgraph),
 compiles once as the trees change (their values, not their shapes) and at most
-twice as token counts change, matches eager under Inductor, exports, and
-replays in one captured CUDA graph as the trees change."""
+twice as token counts change, matches eager under Inductor (under the
+deferred schedule too), exports, and replays in one captured CUDA graph as
+the trees change."""
 
 import random
 
@@ -17,23 +18,30 @@ pytestmark = NOT_UNDER_INTERPRETER
 
 H, K, W, T, N = 2, 8, 4, 8, 6
 D = 3 * H * K
+R = T + 4  # the deferred schedule's record positions
 
 
 def tree_step(x, g, beta, parent, accepted, accepted_path, query_start_loc, state_indices,
-              conv_weight, A_log, dt_bias, state, conv_state, correction, key_gate):
+              conv_weight, A_log, dt_bias, state, conv_state, correction, key_gate,
+              pending=None):
+    schedule = {} if pending is None else dict(pending=pending, spec_len=T)
     mixed = kda_ops.conv_update(x, conv_state, conv_weight, None, query_start_loc,
                                 state_indices, parent=parent)
     q, k, v = (t.reshape(-1, H, K) for t in mixed.split(H * K, dim=-1))
     out = kda_ops.verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
-                         query_start_loc, state_indices, lower_bound=-5.0, parent=parent)
+                         query_start_loc, state_indices, lower_bound=-5.0, parent=parent,
+                         **schedule)
     kda_ops.commit(accepted, state_indices, query_start_loc, state=state,
                    conv_state=conv_state, correction=correction, key_gate=key_gate,
-                   A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, accepted_path=accepted_path)
+                   A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, accepted_path=accepted_path,
+                   **schedule)
     return out
 
 
-def step_args(device, seed, lens=(5, 8, 3)):
-    """A step's inputs: random trees, a random root path accepted per window."""
+def step_args(device, seed, lens=(5, 8, 3), deferred=False):
+    """A step's inputs: random trees, a random root path accepted per window;
+    `deferred`: records of R positions and random pending counts (each
+    leaving room for a window)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
@@ -54,8 +62,11 @@ def step_args(device, seed, lens=(5, 8, 3)):
                           for path in paths], dtype=torch.int32),
             torch.tensor(paths, dtype=torch.int32), qsl,
             torch.tensor([1, 3, 4][:len(lens)], dtype=torch.int32),
-            rand(D, W), rand(H) * 0.5, rand(H, K), rand(N, H, K, K), rand(N, D, W - 1 + T - 1),
-            rand(N, H, T, K), rand(N, H, T, 2 * K))
+            rand(D, W), rand(H) * 0.5, rand(H, K), rand(N, H, K, K), rand(N, D, W - 1 + T - 1))
+    records = R if deferred else T
+    args += (rand(N, H, records, K), rand(N, H, records, 2 * K))
+    if deferred:
+        args += (torch.randint(0, R - T + 1, (N,), generator=gen, dtype=torch.int32),)
     return [a.to(device) for a in args]
 
 
@@ -77,17 +88,22 @@ def test_tree_step_compiles_once_as_trees_change(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_tree_step_under_inductor_matches_eager(device):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_tree_step_under_inductor_matches_eager(device, deferred):
     torch._dynamo.reset()
     compiled = torch.compile(tree_step, fullgraph=True)
     for seed in range(2):
-        args = step_args(device, 10 + seed)
+        args = step_args(device, 10 + seed, deferred=deferred)
         eager_args, compiled_args = clone(args), clone(args)
         expected = tree_step(*eager_args)
         out = compiled(*compiled_args)
         assert_close(out, expected, name="out")
-        for name, index in (("state", 11), ("conv_state", 12), ("correction", 13)):
+        written = (("state", 11), ("conv_state", 12), ("correction", 13)) + (
+            (("pending", 15),) if deferred else ())
+        for name, index in written:
             assert_close(compiled_args[index], eager_args[index], name=name)
+        if deferred:  # the tree's commit folded every committed block's pending records
+            assert not compiled_args[15][compiled_args[7].long()].any()
 
 
 class TreeStep(torch.nn.Module):

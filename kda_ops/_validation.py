@@ -259,20 +259,16 @@ def check_verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
         check_tensor("pending", pending, shape=(num_blocks,), dtypes=INDEX_DTYPES, device=device)
     window_len = _check_window_len(window_len, pending, spec_len)
     check_lower_bound(lower_bound)
-    _check_tree_argument("parent", parent, (num_tokens,), device, pending, "a tree window")
+    _check_tree_argument("parent", parent, (num_tokens,), device)
     return VerifyDims(num_tokens, num_heads, key_dim, value_dim, num_blocks, spec_len, batch,
                       window_len, origin is not None)
 
 
-def _check_tree_argument(name, t, shape, device, pending, what):
+def _check_tree_argument(name, t, shape, device):
     """`parent` or `accepted_path` (docs/semantics.md#13-tree-drafts): index
-    tensors of the given shape, refused with the deferred schedule."""
-    if t is None:
-        return
-    if pending is not None:
-        fail(name, f"({what}) runs the immediate schedule: give no `pending` with it "
-             "(docs/semantics.md#13-tree-drafts)")
-    check_tensor(name, t, shape=shape, dtypes=INDEX_DTYPES, device=device)
+    tensors of the given shape."""
+    if t is not None:
+        check_tensor(name, t, shape=shape, dtypes=INDEX_DTYPES, device=device)
 
 
 def check_lower_bound(lower_bound):
@@ -415,11 +411,10 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
     plan = check_plan(num_accepted_tokens, state_indices, query_start_loc, spec_len,
                       request_indices, block_table, num_computed_tokens, block_size, device)
     _check_tree_argument("accepted_path", accepted_path,
-                         (num_accepted_tokens.shape[0], spec_len), device, pending,
-                         "a tree's commit")
+                         (num_accepted_tokens.shape[0], window_len), device)
     dims = CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, spec_len,
                       conv_dim, conv_history, origin is not None,
-                      eager_fold_below(eager_fold, pending))
+                      eager_fold_below(eager_fold, pending, accepted_path is not None))
     return dims, plan
 
 
@@ -433,14 +428,18 @@ def check_eager_fold(eager_fold):
         fail("eager_fold", f"must be True, False or None, got {eager_fold!r}")
 
 
-def eager_fold_below(eager_fold, pending):
+def eager_fold_below(eager_fold, pending, tree=False):
     """The batch below which a deferred commit folds whatever is pending
     (docs/semantics.md#11-the-deferred-schedule): DEFERRED_EAGER_FOLD_BELOW_BATCH
-    for None, every batch for True, none for False."""
+    for None, every batch for True, none for False; every batch for a tree's
+    commit, whose accepted records are not contiguous."""
     if eager_fold is None:
-        return DEFERRED_EAGER_FOLD_BELOW_BATCH
+        return EVERY_BATCH if tree else DEFERRED_EAGER_FOLD_BELOW_BATCH
     if pending is None:
         fail("eager_fold", "applies to the deferred schedule only: give it with `pending`")
+    if tree and not eager_fold:
+        fail("eager_fold", "must be True or None with `accepted_path`: a tree's commit folds "
+             "at once (docs/semantics.md#13-tree-drafts)")
     return EVERY_BATCH if eager_fold else 0
 
 
@@ -499,7 +498,7 @@ def check_conv_update(x, conv_state, weight, bias, query_start_loc, state_indice
     if out is not None:  # conv_verify keeps the outputs to itself
         check_tensor("out", out, shape=_shape(x), dtypes=dtypes, device=device, written=True,
                      inner_dims=1, dtype_hint=hint)
-    _check_tree_argument("parent", parent, (num_tokens,), device, None, "a tree window")
+    _check_tree_argument("parent", parent, (num_tokens,), device)
     return ConvDims(num_tokens, dim, width, spec_len, conv_state.shape[0], batch,
                     origin is not None)
 

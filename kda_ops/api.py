@@ -69,8 +69,8 @@ def verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tens
             are trees (docs/semantics.md#13-tree-drafts). Node t of a window
             (its t-th token) continues the path of node `parent[t]` (window-
             relative, `0 .. t-1`; the root's is -1): its output and record are
-            those of sequential decoding along its path from the checkpoint.
-            None: chains. Not with `pending`.
+            those of sequential decoding along its path from the checkpoint
+            (with `pending`, folded with the pending records). None: chains.
 
     Returns:
         `out`, `[num_tokens, H, V]` like v.
@@ -141,12 +141,13 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
             row's accepted nodes in path order (window-relative, entry 0 the
             root 0); the first `num_accepted_tokens` are folded in that order
             and the history follows them (docs/semantics.md#13-tree-drafts).
-            None: chains. Not with `pending`.
+            None: chains. With `pending`, `[rows, spec_len]`, and the commit
+            folds at once: the pending records, then the path's.
         eager_fold: with `pending`, whether this commit folds whatever is
             pending, as the immediate schedule does (True), or only what the
             next window needs (False); None: True below
-            DEFERRED_EAGER_FOLD_BELOW_BATCH requests (16), where that is faster
-            (docs/semantics.md#11-the-deferred-schedule).
+            DEFERRED_EAGER_FOLD_BELOW_BATCH requests (16), where that is faster,
+            and with `accepted_path` (docs/semantics.md#11-the-deferred-schedule).
     """
     check_lower_bound(lower_bound)
     if block_size is not None:

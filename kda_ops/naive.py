@@ -104,21 +104,21 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
             continue
         first = 0 if pending is None else min(max(int(pending[block]), 0), T)
         nodes = min(max(eos - bos, 0), T - first, T if spec_len is None else spec_len)
-        if parent is not None:
-            for h in range(H):
+        for h in range(H):
+            checkpoint = fold(state[block, h].double(), correction[block, h], key_gate[block, h],
+                              A_log[h], dt_bias[h], lower_bound, first)
+            if parent is not None:
                 for t in range(nodes):
-                    S = state[block, h].double()
+                    S = checkpoint
                     for node in tree_path(parent[bos:bos + nodes], t):
                         n = bos + node
                         S, u, o = step(S, q[n, h], k[n, h], v[n, h], g[n, h], beta[n, h],
                                        A_log[h], dt_bias[h], lower_bound, scale)
                     result[bos + t, h] = o
-                    correction[block, h, t] = u
-                    key_gate[block, h, t] = torch.cat([k[bos + t, h], g[bos + t, h]])
-            continue
-        for h in range(H):
-            S = fold(state[block, h].double(), correction[block, h], key_gate[block, h],
-                     A_log[h], dt_bias[h], lower_bound, first)
+                    correction[block, h, first + t] = u
+                    key_gate[block, h, first + t] = torch.cat([k[bos + t, h], g[bos + t, h]])
+                continue
+            S = checkpoint
             for t in range(nodes):
                 n = bos + t
                 S, u, o = step(S, q[n, h], k[n, h], v[n, h], g[n, h], beta[n, h],
@@ -174,15 +174,17 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, *, state, conv_s
     folding whatever is pending with `eager_fold` (None: below
     DEFERRED_EAGER_FOLD_BELOW_BATCH requests). With
     `accepted_path` ([rows, *] window positions), the records of the path's
-    nodes are folded in its order and the history follows the path
-    (docs/semantics.md#13-tree-drafts)."""
+    nodes are folded in its order (with `pending`, at once, after the pending
+    records) and the history follows the path (docs/semantics.md#13-tree-drafts)."""
     if pending is not None:
+        # A tree's accepted records are not contiguous: its commit folds at once.
+        eager = (accepted_path is not None or (
+            len(state_indices) < DEFERRED_EAGER_FOLD_BELOW_BATCH if eager_fold is None
+            else eager_fold))
         return _commit_deferred(
             num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
             key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
-            num_computed_tokens, block_size, pending, spec_len,
-            len(state_indices) < DEFERRED_EAGER_FOLD_BELOW_BATCH if eager_fold is None
-            else eager_fold)
+            num_computed_tokens, block_size, pending, spec_len, eager, accepted_path)
     stacked = state.dim() == 5
     states = state.double().clone() if stacked else state.double().clone()[None]
     corr = correction if stacked else correction[None]
@@ -263,7 +265,8 @@ def _deferred_plan(p, accepted, window, capacity, spec_len, src, table, computed
 
 def _commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                      correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
-                     block_table, num_computed_tokens, block_size, pending, spec_len, eager):
+                     block_table, num_computed_tokens, block_size, pending, spec_len, eager,
+                     accepted_path=None):
     stacked = state.dim() == 5
     states, corr, kg = (_with_layers(t, stacked)
                         for t in (state.double().clone(), correction, key_gate))
@@ -291,12 +294,16 @@ def _commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state,
                 block_size, eager)
             if total == 0:
                 continue
+            # The pending records, then the window's accepted nodes after them.
+            recorded = max(min(window, spec_len, R - p), 1)
+            path = accepted_positions(accepted_path, r, c, recorded)
+            records = list(range(p)) + [p + node for node in path]
             if not fold_now:
                 counts[layer, src] = total
             else:
                 for h in range(H):
-                    args = (corr[layer, src, h], kg[layer, src, h], A[layer, h], dt[layer, h],
-                            lower_bound)
+                    args = (corr[layer, src, h][records], kg[layer, src, h][records], A[layer, h],
+                            dt[layer, h], lower_bound)
                     if boundary != NULL_BLOCK and _valid(boundary, N):
                         states[layer, boundary, h] = fold(originals[layer, src, h], *args,
                                                           recovery)
@@ -307,7 +314,9 @@ def _commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state,
                         counts[layer, block] = 0
             if convs is not None and c > 0:
                 history = convs.shape[-1] - (spec_len - 1)
-                window_columns = conv_originals[layer, src]
+                # [h_1 .. h_{W-2}] then the accepted nodes' inputs (a chain's: in order).
+                window_columns = conv_originals[layer, src][
+                    :, list(range(history - 1)) + [history - 1 + node for node in path]]
                 # This window's tokens: the boundary lies `recovery - p` tokens into it.
                 if fold_now and boundary != NULL_BLOCK and _valid(boundary, N):
                     # Pending tokens lie before the boundary; clamped like the kernels

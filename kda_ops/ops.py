@@ -132,7 +132,7 @@ def commit(
         torch_impl.commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state,
                                    conv_state, correction, key_gate, A_log, dt_bias, lower_bound,
                                    request_indices, block_table, num_computed_tokens, block_size,
-                                   pending, spec_len, dims)
+                                   pending, spec_len, dims, accepted_path)
     else:
         torch_impl.commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                           correction, key_gate, A_log, dt_bias, lower_bound, request_indices,

@@ -177,9 +177,12 @@ def verify(q, k, v, g, beta, A_log, dt_bias, state, correction, key_gate,
     old_correction, old_key_gate = correction[safe_block], key_gate[safe_block]
     if pending is not None:
         S, _ = _fold_records(S, old_correction, old_key_gate, A_log, dt_bias, lower_bound, first)
-    if parent is not None:  # a tree: the immediate schedule, T = R
-        corrections, outputs = _tree_window(S, kn, qn, log_decay, values, gain, live,
-                                            _window_parents(parent, token, positions))
+    if parent is not None:  # a tree of up to T nodes
+        window = slice(0, spec_len)
+        corrections, outputs = _tree_window(
+            S, kn[:, window], qn[:, window], log_decay[:, window], values[:, window],
+            gain[:, window], live[:, window],
+            _window_parents(parent, token, positions)[:, window])
     else:
         corrections, outputs = _chain_window(S, kn, qn, decay, values, gain, live, spec_len)
     # Positions past T are never live: nothing of theirs is recorded or output.
@@ -401,14 +404,26 @@ def deferred_plan(num_accepted_tokens, state_indices, query_start_loc, pending_r
     return c, total, fold_now, final, boundary, recovery
 
 
+def _deferred_record_order(positions, first, capacity):
+    """Each request's record positions in fold order, `[B, R]`: its `first`
+    pending records, then its window's accepted nodes `positions [B, T]`
+    after them, clamped into the records (reads past the fold are unused)."""
+    index = torch.arange(capacity, device=positions.device)[None, :]          # [1, R]
+    along = positions.gather(1, (index - first[:, None]).clamp(0, positions.shape[1] - 1))
+    order = torch.where(index < first[:, None], index, first[:, None] + along)
+    return order.clamp(max=capacity - 1)
+
+
 def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, conv_state,
                     correction, key_gate, A_log, dt_bias, lower_bound, request_indices,
-                    block_table, num_computed_tokens, block_size, pending, spec_len, dims):
+                    block_table, num_computed_tokens, block_size, pending, spec_len, dims,
+                    accepted_path=None):
     """The deferred commit: per layer and request, count the accepted tokens
     as pending, or fold every pending token into the checkpoint when the next
     window would not fit, in align mode also when the fold crosses a block or
     leaves the checkpoint's block, and always below dims.eager_fold_below
-    requests (docs/semantics.md#11-the-deferred-schedule)."""
+    requests or with `accepted_path` (a tree's accepted records are not
+    contiguous: it folds at once; docs/semantics.md#11-the-deferred-schedule)."""
     if state_indices.shape[0] == 0:
         return
     capacity = dims.spec_len
@@ -422,16 +437,28 @@ def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, 
     dt5 = dt_bias.reshape(dims.num_layers, dims.num_heads, K)
     history = dims.conv_history
     # The batch compared as a tensor: a traced batch gains no guard.
-    eager = source.new_ones(source.shape).sum() < dims.eager_fold_below
+    eager = (source.new_ones(source.shape).sum() < dims.eager_fold_below) | (
+        accepted_path is not None)
+    if accepted_path is not None:
+        _, row, _, _ = _request_rows(num_accepted_tokens, state_indices, query_start_loc,
+                                     request_indices, block_table)
+        window_nodes = path_positions(accepted_path, row, query_start_loc, spec_len)
     for layer in range(dims.num_layers):
+        first = counts[layer].long()[safe_source].clamp(0, capacity)
         c, total, fold_now, final, boundary, recovery = deferred_plan(
-            num_accepted_tokens, state_indices, query_start_loc, counts[layer].long()[safe_source],
-            capacity, spec_len, request_indices, block_table, num_computed_tokens, block_size,
-            dims.num_blocks, eager)
+            num_accepted_tokens, state_indices, query_start_loc, first, capacity, spec_len,
+            request_indices, block_table, num_computed_tokens, block_size, dims.num_blocks, eager)
         first = total - c
+        corr_rows, key_gate_rows = corr5[layer, safe_source], key_gate5[layer, safe_source]
+        if accepted_path is not None:
+            # Nodes past those recorded after the pending records are clamped into them.
+            nodes = window_nodes.minimum((capacity - first).clamp(min=1)[:, None] - 1)
+            along = _deferred_record_order(nodes, first, capacity)[:, None, :, None]
+            corr_rows = corr_rows.gather(2, along.expand_as(corr_rows))
+            key_gate_rows = key_gate_rows.gather(2, along.expand_as(key_gate_rows))
         S, at_boundary = _fold_records(
-            state5[layer, safe_source].to(precision(state)), corr5[layer, safe_source],
-            key_gate5[layer, safe_source], A5[layer], dt5[layer], lower_bound, total, recovery)
+            state5[layer, safe_source].to(precision(state)), corr_rows, key_gate_rows, A5[layer],
+            dt5[layer], lower_bound, total, recovery)
         layer_state = state5[layer:layer + 1]
         final_ok = fold_now & _valid_block(final, dims.num_blocks)
         boundary_ok = fold_now & _valid_block(boundary, dims.num_blocks)
@@ -439,6 +466,8 @@ def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, 
         _write_rows(layer_state, final, final_ok, S[None])
         if conv is not None:
             rows = conv[layer, safe_source]                                    # [B, D, cols]
+            if accepted_path is not None:
+                rows = _path_sequence(rows, nodes, history)
             layer_conv = conv[layer:layer + 1, ..., :history]
             destination = torch.where(fold_now, final, source)
             moved = (c > 0) & _valid_block(destination, dims.num_blocks)

@@ -534,10 +534,16 @@ def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv
                                  dims.num_blocks)
     # What the commit reads: each live row's state, its records up to the
     # tokens it folds (every layer's most, under the deferred schedule; for a
-    # tree, up to its path's last node) and its history and window's inputs.
+    # tree, up to its path's last node after the pending records) and its
+    # history and window's inputs.
     reads = torch.stack([folded for folded, _, _, _ in plans]).amax(0) if plans else \
         torch.zeros_like(indices)
-    live = [(row, block, extents.get(row, reads[row].item()))
+    # A tree's path follows the pending records (every layer's most).
+    pending_before = torch.zeros(dims.num_blocks, dtype=torch.int64)
+    if counts is not None and counts.shape[0] > 0:
+        pending_before = counts.clamp(0, dims.spec_len).amax(0)
+    live = [(row, block, pending_before[block].item() + extents[row] if row in extents
+             else reads[row].item())
             for row, block in _live(indices, dims.num_blocks) if reads[row] > 0]
     check_read_caches("commit", "given to", state, correction, key_gate, dims.stacked, live)
     if conv_state is not None:

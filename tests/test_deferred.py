@@ -343,20 +343,6 @@ def test_value_checks_fit_commit_s_windows_after_the_pending_records():
     assert torch.equal(a["state"], before[0]) and torch.equal(a["pending"], before[1])
 
 
-def test_a_tree_path_with_pending_is_refused_for_the_schedule():
-    """A well-shaped path `[rows, T]` with records of R > T positions: the
-    error names the schedule, not the path's shape."""
-    import kda_ops
-
-    a, _ = deferred_problem(13, stacked=False, align=False)
-    path = torch.zeros(len(a["accepted"]), 3, dtype=torch.int32)
-    with pytest.raises(ValueError, match="`accepted_path` .*runs the immediate schedule"):
-        kda_ops.commit(a["accepted"], a["state_indices"], a["query_start_loc"],
-                       **{name: a[name] for name in ("state", "conv_state", "correction",
-                                                     "key_gate", "A_log", "dt_bias", "pending")},
-                       spec_len=3, accepted_path=path)
-
-
 @pytest.mark.parametrize("op", ["verify", "commit"])
 def test_spec_len_misuse_names_the_argument(op):
     """T must come with `pending` (kernels unroll over it), fit the records,

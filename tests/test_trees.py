@@ -113,20 +113,32 @@ def test_tree_verify_matches_the_oracle(device, lower_bound):
     ("closed_form", None, 16), ("closed_form", None, 3), ("tensor_cores", None, 16),
     ("tensor_cores", None, 6), ("separate_terms", None, 16), ("separate_terms", True, 8),
     ("separate_terms", False, 8)])
-def test_tree_verify_in_every_kernel_form(device, form, link, T):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_tree_verify_in_every_kernel_form(device, form, link, T, deferred):
     """Every form the kernels take trees in (all but the token loop), at 16
     nodes and fewer: K = 16 for the tensor cores, V = 40 a partial value
-    tile; windows longer than T get zero outputs past T."""
+    tile; windows longer than T get zero outputs past T. `deferred`: records
+    of R = T + 5 positions after random pending counts (some 0)."""
     lens = (T, T // 2, 1, T + 2, 0, T, 3)
     a, _ = problem(device, seed=11 + T, T=T, lens=lens, K=16, V=40)
+    schedule = {}
+    if deferred:
+        gen = torch.Generator().manual_seed(T)
+        R, N = T + 5, a["state"].shape[1]
+        a["correction"] = torch.randn(1, N, H, R, 40, generator=gen).to(device)
+        a["key_gate"] = torch.randn(1, N, H, R, 32, generator=gen).to(device)
+        pending = torch.randint(0, R - T + 1, (N,), generator=gen, dtype=torch.int32)
+        pending[1] = 0
+        schedule = dict(pending=pending.to(device), spec_len=T)
     with kernel_choices(verify_form=form, link_on_tensor_cores=link):
         if device != "cpu" or INTERPRET:
-            assert verify_config(16, 40, len(lens) * H, T, tree=True).form == form
-        out = verify_layer(a, 0, lower_bound=-5.0)
+            assert verify_config(16, 40, len(lens) * H, T, deferred, tree=True).form == form
+        out = verify_layer(a, 0, lower_bound=-5.0, **schedule)
     expected_out, expected_corr, _ = naive.verify(
         *cpu(a, *VERIFY), a["A_log"][0].cpu(), a["dt_bias"][0].cpu(), a["state"][0].cpu(),
         a["correction"][0].cpu(), a["key_gate"][0].cpu(), a["query_start_loc"].cpu(),
-        a["state_indices"].cpu(), lower_bound=-5.0, parent=a["parent"].cpu())
+        a["state_indices"].cpu(), lower_bound=-5.0, parent=a["parent"].cpu(),
+        **{name: t.cpu() if isinstance(t, torch.Tensor) else t for name, t in schedule.items()})
     written = ~torch.isnan(expected_out)
     assert_rel_close(out.cpu()[written], expected_out[written], name="out")
     assert_rel_close(a["correction"][0].cpu(), expected_corr, name="correction")
@@ -288,16 +300,150 @@ def test_long_run_of_random_trees_against_sequential_decoding(device):
         assert_rel_close(state_d.cpu(), truth, tol=1e-4, name=f"state after step {step}")
 
 
-def test_trees_run_the_immediate_schedule():
-    a, _ = problem("cpu", seed=7)
-    pending = torch.zeros(8, dtype=torch.int32)
-    with pytest.raises(ValueError, match="`parent` .*runs the immediate schedule"):
-        verify_layer(a, 0, pending=pending, spec_len=16)
-    with pytest.raises(ValueError, match="`accepted_path` .*runs the immediate schedule"):
+def deferred_tree_problem(device, seed, T=6, R=13, align=False):
+    """A deferred step of trees: records of R > T positions, random pending
+    counts leaving room for a window (some 0), trees of every shape, a one-node
+    and an empty window, a null row, a row past the cache, a window longer
+    than T; in align mode every request's table blocks are its own."""
+    lens = (T, 4, 1, T + 2, 0, T, 3)
+    N = 24
+    a, rng = problem("cpu", seed, T=T, lens=lens, indices=(1, 2, 3, 6, 4, 0, N + 6), N=N)
+    gen = torch.Generator().manual_seed(seed)
+    layers = a["state"].shape[0]
+    a["correction"] = torch.randn(layers, N, H, R, V, generator=gen)
+    a["key_gate"] = torch.randn(layers, N, H, R, 2 * K, generator=gen)
+    a["pending"] = torch.randint(0, R - T + 1, (layers, N), generator=gen, dtype=torch.int32)
+    a["pending"][:, 2] = 0
+    # Each window's path to its last node: most leave the chain 0, 1, 2, ...
+    starts = a["query_start_loc"].tolist()
+    paths = [naive.tree_path(a["parent"][starts[b]:starts[b + 1]][:T].tolist(),
+                             min(lens[b], T) - 1) if lens[b] else [0] for b in range(len(lens))]
+    a["num_accepted_tokens"] = torch.tensor([len(path) for path in paths], dtype=torch.int32)
+    a["accepted_path"] = torch.tensor([path + [0] * (T - len(path)) for path in paths],
+                                      dtype=torch.int32)
+    if align:
+        B = len(lens)
+        a["block_table"] = torch.arange(8, 8 + B * 2, dtype=torch.int32).view(B, 2)
+        a["num_computed_tokens"] = torch.tensor([9, 14, 4, 0, 7, 12, 2], dtype=torch.int32)
+    return {name: t.to(device) for name, t in a.items()}, rng
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("align", [False, True])
+def test_trees_under_the_deferred_schedule_match_the_oracle(device, stacked, align):
+    """verify of tree windows after pending records (each node along its path
+    from the checkpoint folded with them, recorded after them), then the
+    tree's commit, which folds at once: the pending records, then the path's.
+    Outputs, records, states, conv history and counts against the oracle."""
+    T, R = 6, 13
+    a, _ = deferred_tree_problem(device, seed=21 + stacked + 2 * align, T=T, R=R, align=align)
+    for layer in range(a["state"].shape[0]):
+        expected = naive.verify(
+            *cpu(a, *VERIFY), *(a[name][layer].cpu() for name in (
+                "A_log", "dt_bias", "state", "correction", "key_gate")),
+            a["query_start_loc"].cpu(), a["state_indices"].cpu(), lower_bound=-5.0,
+            out=torch.zeros(a["v"].shape), pending=a["pending"][layer].cpu(), spec_len=T,
+            parent=a["parent"].cpu())
+        out = verify_layer(a, layer, lower_bound=-5.0, pending=a["pending"][layer], spec_len=T,
+                           out=torch.zeros(a["v"].shape, device=device))
+        assert_rel_close(out.cpu(), expected[0].float(), name=f"out, layer {layer}")
+        assert_rel_close(a["correction"][layer].cpu(), expected[1].float(),
+                         name=f"correction, layer {layer}")
+        assert torch.equal(a["key_gate"][layer].cpu(), expected[2])
+    layer = slice(None) if stacked else 1
+    caches = {name: a[name][layer] for name in ("state", "conv_state", "correction",
+                                                "key_gate", "A_log", "dt_bias", "pending")}
+    align_args = ({name: a[name] for name in ("block_table", "num_computed_tokens")}
+                  | dict(block_size=8) if align else {})
+    on_cpu = lambda d: {n: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
+                        for n, t in d.items()}
+    expected_state, expected_conv, expected_pending = naive.commit(
+        *cpu(a, "num_accepted_tokens", "state_indices", "query_start_loc"),
+        accepted_path=a["accepted_path"].cpu(), lower_bound=-5.0, spec_len=T,
+        **on_cpu(caches), **on_cpu(align_args))
+    pending_before = caches["pending"].clone()
+    kda_ops.commit(a["num_accepted_tokens"], a["state_indices"], a["query_start_loc"],
+                   accepted_path=a["accepted_path"], lower_bound=-5.0, spec_len=T, **caches,
+                   **align_args)
+    assert_rel_close(caches["state"].cpu(), expected_state.float(), name="state")
+    assert torch.equal(caches["conv_state"].cpu(), expected_conv)
+    assert torch.equal(caches["pending"].cpu(), expected_pending)
+    # The committed rows folded at once, their pending records with them.
+    committed = torch.tensor([1, 2, 3, 4, 6], device=device)
+    assert pending_before[..., committed].any() and not caches["pending"][..., committed].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_run_of_trees_and_chains_under_the_deferred_schedule(device):
+    """200 steps (30 interpreted or under the sanitizer) on one set of caches:
+    a step drafts random trees (1 to T nodes) and folds at once, or chains
+    whose accepted tokens stay pending (eager_fold=False), chosen at random.
+    Every step, the checkpoints with their pending records folded in (a
+    flush of copies) against sequential float64 decoding of the accepted
+    tokens."""
+    rng = random.Random(26)
+    gen = torch.Generator().manual_seed(26)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    T, R, N, B = 5, 12, 5, 3
+    A_log, dt_bias = rand(H) * 0.5, rand(H, K)
+    truth = torch.zeros(N, H, V, K, dtype=torch.float64)
+    caches = dict(state=torch.zeros(N, H, V, K), correction=torch.zeros(N, H, R, V),
+                  key_gate=torch.zeros(N, H, R, 2 * K),
+                  pending=torch.zeros(N, dtype=torch.int32))
+    caches = {name: t.to(device) for name, t in caches.items()}
+    gate = dict(A_log=A_log.to(device), dt_bias=dt_bias.to(device), lower_bound=-5.0)
+    blocks = torch.tensor([1, 2, 3], dtype=torch.int32, device=device)
+    trees = 0
+    for step in range(long_run_steps(200, 30)):
+        tree = rng.random() < 0.5
+        trees += tree
+        lens = [rng.randint(1, T) for _ in range(B)]
+        parents = tree_batch(rng, T, lens, [rng.choice(SHAPES) if tree else "chain"
+                                            for _ in range(B)])
+        qsl = query_start_loc(lens, "cpu")
+        n = int(qsl[-1])
+        q, k, g, v, beta = rand(n, H, K), rand(n, H, K), rand(n, H, K), rand(n, H, V), rand(n, H)
+        kda_ops.verify(*(t.to(device) for t in (q, k, v, g, beta)), gate["A_log"],
+                       gate["dt_bias"], caches["state"], caches["correction"],
+                       caches["key_gate"], qsl.to(device), blocks, lower_bound=-5.0,
+                       pending=caches["pending"], spec_len=T,
+                       parent=parents.to(device) if tree else None)
+        paths, accepted = [], []
+        for b in range(B):
+            window = parents[qsl[b]:qsl[b + 1]].tolist()
+            path = random_path(window, rng) if tree else list(range(rng.randint(0, lens[b])))
+            accepted.append(len(path))
+            paths.append(path + [0] * (T - len(path)))
+            for h in range(H):
+                for node in path:
+                    token = int(qsl[b]) + node
+                    truth[b + 1, h], _, _ = naive.step(
+                        truth[b + 1, h], q[token, h], k[token, h], v[token, h], g[token, h],
+                        beta[token, h], A_log[h], dt_bias[h], -5.0, K ** -0.5)
+        schedule = (dict(accepted_path=torch.tensor(paths, dtype=torch.int32, device=device))
+                    if tree else dict(eager_fold=False))
+        kda_ops.commit(torch.tensor(accepted, dtype=torch.int32, device=device), blocks,
+                       qsl.to(device), state=caches["state"], correction=caches["correction"],
+                       key_gate=caches["key_gate"], pending=caches["pending"], spec_len=T,
+                       **gate, **schedule)
+        if tree:
+            assert not caches["pending"].any(), f"a tree's commit folds at once (step {step})"
+        flushed = {name: t.clone() for name, t in caches.items()}
+        kda_ops.flush(blocks, **flushed, **gate)
+        assert_rel_close(flushed["state"].cpu(), truth, tol=1e-4,
+                         name=f"state after step {step}")
+    assert 0 < trees < long_run_steps(200, 30)
+
+
+def test_a_tree_s_deferred_commit_folds_at_once():
+    a, _ = deferred_tree_problem("cpu", seed=25)
+    with pytest.raises(ValueError, match="`eager_fold` must be True or None with "
+                                         "`accepted_path`: a tree's commit folds at once"):
         kda_ops.commit(a["num_accepted_tokens"], a["state_indices"], a["query_start_loc"],
-                       state=a["state"][0], correction=a["correction"][0],
-                       key_gate=a["key_gate"][0], A_log=a["A_log"][0], dt_bias=a["dt_bias"][0],
-                       accepted_path=a["accepted_path"], pending=pending, spec_len=16)
+                       state=a["state"], correction=a["correction"], key_gate=a["key_gate"],
+                       A_log=a["A_log"], dt_bias=a["dt_bias"], pending=a["pending"],
+                       accepted_path=a["accepted_path"], spec_len=6, eager_fold=False)
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -358,15 +504,20 @@ def test_value_checks_match_the_commit_to_the_windows_verify_ran():
         kda_ops.commit(accepted, a["state_indices"], a["query_start_loc"], **commit_args)
 
 
-def test_value_checks_read_a_tree_commit_s_records_along_its_path():
-    """A non-finite record at a path node past the first c positions is
-    refused before the state is written."""
+@pytest.mark.parametrize("pending", [None, 3])
+def test_value_checks_read_a_tree_commit_s_records_along_its_path(pending):
+    """A non-finite record at a path node past the first c positions (after
+    the pending records, under the deferred schedule) is refused before the
+    state is written."""
     a, _ = problem("cpu", seed=11, lens=(6,), indices=(1,), shapes=("binary",))
-    path = torch.zeros(1, 16, dtype=torch.int32)
+    T = 16 if pending is None else 6
+    path = torch.zeros(1, T, dtype=torch.int32)
     path[0, :2] = torch.tensor([0, 2])
+    schedule = {} if pending is None else dict(
+        pending=torch.full((8,), pending, dtype=torch.int32), spec_len=T)
     with kda_ops.value_checks():
-        verify_layer(a, 0)
-    a["correction"][0, 1, 1, 2, 3] = float("nan")  # block 1, head 1, node 2
+        verify_layer(a, 0, **schedule)
+    a["correction"][0, 1, 1, (pending or 0) + 2, 3] = float("nan")  # block 1, head 1, node 2
     before = a["state"][0].clone()
     with kda_ops.value_checks():
         with pytest.raises(ValueError, match=r"`correction` holds nan in block 1 \(row 0\) "
@@ -374,7 +525,8 @@ def test_value_checks_read_a_tree_commit_s_records_along_its_path():
             kda_ops.commit(torch.tensor([2], dtype=torch.int32), a["state_indices"],
                            a["query_start_loc"], state=a["state"][0],
                            correction=a["correction"][0], key_gate=a["key_gate"][0],
-                           A_log=a["A_log"][0], dt_bias=a["dt_bias"][0], accepted_path=path)
+                           A_log=a["A_log"][0], dt_bias=a["dt_bias"][0], accepted_path=path,
+                           **schedule)
     assert torch.equal(a["state"][0], before)
 
 

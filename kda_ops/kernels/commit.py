@@ -34,17 +34,22 @@ PLAN_ROW = tl.constexpr(8)
 @triton.jit
 def _fold_records(state, start, stop, kg_row, corr_row, stride_kg_tok, stride_kg_dim,
                   stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, path_row,
-                  stride_path_col, last_node, K: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-                  RECORD_STAGES: tl.constexpr, TREE: tl.constexpr):
-    """The state tile after the recorded tokens `start..stop-1` (in a tree,
-    those of the accepted path's entries `start..stop-1`)."""
+                  stride_path_col, last_node, first, K: tl.constexpr,
+                  USE_LOWER_BOUND: tl.constexpr, RECORD_STAGES: tl.constexpr,
+                  TREE: tl.constexpr):
+    """The state tile after the recorded tokens `start..stop-1` (in a tree, the
+    `first` pending records, then those of the accepted path's nodes after them)."""
     # Triton's pipeliner requests the next tokens' records (through shared
     # memory) while a token is folded: these loads bounded the fold. On an
     # H200 pipelining took T = 8 from 72% to 93% of copy (stages: see
     # commit_config); register prefetch one or two tokens ahead, or the
     # loop unrolled, were slower at T = 8.
     for i in tl.range(start, stop, num_stages=RECORD_STAGES):
-        t = path_position(path_row, stride_path_col, i, last_node, TREE)
+        t = i
+        if TREE:
+            node = path_position(path_row, stride_path_col, tl.maximum(i - first, 0), last_node,
+                                 TREE)
+            t = tl.where(i < first, i, first + node)
         raw_k = tl.load(kg_row + t * stride_kg_tok, mask=mask_k, other=0.0).to(tl.float32)
         raw_g = tl.load(kg_row + t * stride_kg_tok + K * stride_kg_dim, mask=mask_k,
                         other=0.0).to(tl.float32)
@@ -62,29 +67,31 @@ def _plan(b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, comp
           stride_p_blk, SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr,
           HAS_REQUEST_INDICES: tl.constexpr, ALIGN: tl.constexpr, DEFERRED: tl.constexpr,
           FLUSH: tl.constexpr):
-    """(count, row, final column, boundary column, recovery) of request `b`:
-    the commit plan's accepted count, the deferred plan's total (the caller
-    decides whether it folds now, `folds_now`), or on a flush the pending count."""
+    """(count, row, final column, boundary column, recovery, records pending
+    before) of request `b`: the commit plan's accepted count, the deferred
+    plan's total (the caller decides whether it folds now, `folds_now`), or on
+    a flush the pending count."""
     if FLUSH:
         source = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
         valid = block_is_valid(source, num_blocks)
         count = pending_count(layer_pending_ptr + tl.where(valid, source, 0) * stride_p_blk,
                               valid, RECORDS)
         zero = tl.zeros_like(source)
-        return count, zero, zero, zero - 1, zero
+        return count, zero, zero, zero - 1, zero, zero
     elif DEFERRED:
-        _, total, row, final_col, boundary_col, recovery, _ = deferred_plan_row(
+        _, total, row, final_col, boundary_col, recovery, first = deferred_plan_row(
             b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
             stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
             stride_computed, layer_pending_ptr, stride_p_blk, num_rows, num_blocks, bt_cols,
             block_size, RECORDS, HAS_REQUEST_INDICES, ALIGN)
-        return total, row, final_col, boundary_col, recovery
+        return total, row, final_col, boundary_col, recovery, first
     else:
-        return commit_plan_row(
+        commit, row, final_col, boundary_col, recovery = commit_plan_row(
             b, accepted_ptr, stride_accepted, request_ptr, stride_request,
             state_indices_ptr, stride_state_indices, query_start_ptr, stride_query_start,
             computed_ptr, stride_computed, num_rows, bt_cols, block_size,
             SPEC_LEN, HAS_REQUEST_INDICES, ALIGN)
+        return commit, row, final_col, boundary_col, recovery, tl.zeros_like(commit)
 
 
 @triton.jit
@@ -199,15 +206,15 @@ def _fold_tile(
     stride_c_layer, stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
     stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
     stride_A_layer, stride_A_head, stride_dt_layer, stride_dt_head, stride_dt_dim,
-    path_row, stride_path_col, last_node,
+    path_row, stride_path_col, last_node, first,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, ALIGN: tl.constexpr, RECORD_STAGES: tl.constexpr,
     TREE: tl.constexpr,
 ):
     """Folds `count` records of one state tile into the checkpoint `source`,
     storing the boundary state after `recovery` of them (align mode) and the
-    final one, where those blocks are valid; in a tree, the records of the
-    accepted path at `path_row` (path_position)."""
+    final one, where those blocks are valid; in a tree, the `first` pending
+    records, then those of the accepted path at `path_row` (path_position)."""
     final_ok = block_is_valid(final, num_blocks)
     boundary_ok = block_is_valid(boundary, num_blocks)
     offs_k = tl.arange(0, BK)
@@ -236,13 +243,14 @@ def _fold_tile(
         folded = tl.where(boundary_ok, tl.minimum(recovery, count), 0)
         state = _fold_records(state, 0, folded, kg_row, corr_row, stride_kg_tok,
                               stride_kg_dim, stride_c_tok, mask_k, mask_v, dt_bias, A,
-                              lower_bound, path_row, stride_path_col, last_node, K,
+                              lower_bound, path_row, stride_path_col, last_node, first, K,
                               USE_LOWER_BOUND, RECORD_STAGES, TREE)
         if boundary_ok:
             tl.store(head_base + boundary * stride_s_blk + tile, state, mask=mask_tile)
     state = _fold_records(state, folded, count, kg_row, corr_row, stride_kg_tok, stride_kg_dim,
                           stride_c_tok, mask_k, mask_v, dt_bias, A, lower_bound, path_row,
-                          stride_path_col, last_node, K, USE_LOWER_BOUND, RECORD_STAGES, TREE)
+                          stride_path_col, last_node, first, K, USE_LOWER_BOUND, RECORD_STAGES,
+                          TREE)
     if final_ok:
         tl.store(head_base + final * stride_s_blk + tile, state, mask=mask_tile)
 
@@ -302,7 +310,7 @@ def _commit_state_kernel(
                        stride_c_layer, stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
                        stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok,
                        stride_kg_dim, stride_A_layer, stride_A_head, stride_dt_layer,
-                       stride_dt_head, stride_dt_dim, path_ptr, 0, 0, K, V, BK, BV,
+                       stride_dt_head, stride_dt_dim, path_ptr, 0, 0, 0, K, V, BK, BV,
                        USE_LOWER_BOUND, ALIGN, RECORD_STAGES, False)
             item = following
             layer, commit, source, final, boundary, recovery = next_entries
@@ -324,7 +332,7 @@ def _commit_state_kernel(
         # layers, 32 heads, K = V = 128), and the layer stride is an int32 argument.
         layer = (tl.program_id(2) // NUM_HEADS).to(tl.int64)
         h = tl.program_id(2) % NUM_HEADS
-        commit, row, final_col, boundary_col, recovery = _plan(
+        commit, row, final_col, boundary_col, recovery, first = _plan(
             b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, computed_ptr,
             pending_ptr + layer * stride_p_layer, num_blocks, num_rows, bt_cols, block_size,
             stride_accepted, stride_request, stride_state_indices, stride_query_start,
@@ -334,7 +342,7 @@ def _commit_state_kernel(
             b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
             boundary_col, commit, stride_bt_row, stride_bt_col, ALIGN)
         path_row, last_node = _path_row(b, row, path_ptr, stride_path_row, query_start_ptr,
-                                        stride_query_start, SPEC_LEN, TREE)
+                                        stride_query_start, first, SPEC_LEN, RECORDS, TREE)
         if _folds(commit, boundary_col, final, source, boundary, num_blocks, tl.num_programs(1),
                   SPEC_LEN, RECORDS, DEFERRED, EAGER_FOLD_BELOW):
             _fold_tile(state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr, layer, h,
@@ -344,7 +352,7 @@ def _commit_state_kernel(
                        stride_kg_layer, stride_kg_blk, stride_kg_head, stride_kg_tok,
                        stride_kg_dim, stride_A_layer, stride_A_head, stride_dt_layer,
                        stride_dt_head, stride_dt_dim, path_row, stride_path_col, last_node,
-                       K, V, BK, BV, USE_LOWER_BOUND, ALIGN, RECORD_STAGES, TREE)
+                       first, K, V, BK, BV, USE_LOWER_BOUND, ALIGN, RECORD_STAGES, TREE)
 
 
 @triton.jit
@@ -355,14 +363,17 @@ def _fold_rows(NUM_HEADS: tl.constexpr):
 
 
 @triton.jit
-def _path_row(b, row, path_ptr, stride_path_row, query_start_ptr, stride_query_start,
-              SPEC_LEN: tl.constexpr, TREE: tl.constexpr):
+def _path_row(b, row, path_ptr, stride_path_row, query_start_ptr, stride_query_start, first,
+              SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr, TREE: tl.constexpr):
     """(accepted path of `row`, last node of request `b`'s window that the path
-    may name) for path_position; nothing loaded for chains."""
+    may name: of those recorded after `first` pending records) for
+    path_position; nothing loaded for chains."""
     if TREE:
         window = (tl.load(query_start_ptr + (b + 1) * stride_query_start)
                   - tl.load(query_start_ptr + b * stride_query_start)).to(tl.int64)
-        return path_ptr + row * stride_path_row, tl.minimum(tl.maximum(window, 1), SPEC_LEN) - 1
+        recorded = tl.minimum(tl.minimum(tl.maximum(window, 1), SPEC_LEN),
+                              tl.maximum(RECORDS - first, 1))
+        return path_ptr + row * stride_path_row, recorded - 1
     return path_ptr, tl.zeros_like(row)
 
 
@@ -410,6 +421,7 @@ def _commit_conv_kernel(
             SPEC_LEN, HAS_REQUEST_INDICES, ALIGN,
         )
         total = commit
+        first = tl.zeros_like(commit)
     source, final, boundary = _plan_blocks(
         b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
         boundary_col, total, stride_bt_row, stride_bt_col, ALIGN)
@@ -434,7 +446,7 @@ def _commit_conv_kernel(
         src = cols + source * stride_blk
         # History after n tokens: columns n-1 .. n-1+HISTORY-1 of the window buffer.
         path_row, last_node = _path_row(b, row, path_ptr, stride_path_row, query_start_ptr,
-                                        stride_query_start, SPEC_LEN, TREE)
+                                        stride_query_start, first, SPEC_LEN, RECORDS, TREE)
         final_hist = ()
         boundary_hist = ()
         for c in tl.static_range(HISTORY):
@@ -625,7 +637,8 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
                  ALIGN=plan.align, RECORDS=records, EAGER_FOLD_BELOW=dims.eager_fold_below)
     K, V = dims.key_dim, dims.value_dim
     launch = dependent_launch(state, plan.batch)
-    listed = deferred and listed_folds(plan.batch)
+    # A tree's commit folds every pair (eager): a program per tile, no fold plan.
+    listed = deferred and not tree and listed_folds(plan.batch)
     num_pairs = dims.num_layers * plan.batch
     # The history launch writes the new pending counts, from a copy of the old
     # ones the state launch (or the fold plan) makes: no launch of their own.

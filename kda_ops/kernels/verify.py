@@ -185,6 +185,11 @@ def _verify_kernel(
             key_terms, query_terms, key_coupling, query_coupling = tree_window_terms(
                 keys, queries, decays, vec_base + 2 * BK, NUM_VECTORS * BK, 2 * BK, parent_ptr,
                 stride_parent, bos, processed, steps, offs_k, mask_k, SPEC_LEN)
+            if DEFERRED:  # every node's path starts after the pending records
+                key_terms, query_terms = pending_terms(
+                    key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
+                    dt_bias, A, lower_bound, offs_k, mask_k, pending_at, K, BK, BR,
+                    USE_LOWER_BOUND, PREFETCHED=PREFETCH_STATE and PREFETCH_RECORDS)
             tl.store(vec_tile, key_terms)
             tl.store(vec_tile + BK, query_terms)
             coupling_at = coupling_ptr + head_row * (2 * BT * BT)
