@@ -132,11 +132,16 @@ def test_conv_verify_deferred(device, form):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form, T", [("closed_form", 8), ("tensor_cores", 16),
                                      ("separate_terms", 8)])
-def test_conv_verify_tree(device, form, T):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_conv_verify_tree(device, form, T, deferred):
     """Tree windows (out-of-range parents included): each node convolves and
-    runs along its own path."""
+    runs along its own path; `deferred`, from the checkpoint folded with 0-3
+    pending records, recorded after them."""
     lens = (T, 5, 0, T + 1, 3, 1)
-    a = problem(device, seed=9, T=T, lens=lens)
+    a = problem(device, seed=9, T=T, lens=lens, records=T + 3 if deferred else None)
+    schedule = {} if not deferred else dict(
+        pending=torch.tensor([0, 3, 1, 2, 0, 3, 1], dtype=torch.int32, device=device),
+        spec_len=T)
     gen = torch.Generator().manual_seed(T)
     parent = torch.cat([torch.cat([torch.tensor([-1]), (torch.rand(n - 1, generator=gen)
                                                         * torch.arange(1, n)).long()])
@@ -145,8 +150,8 @@ def test_conv_verify_tree(device, form, T):
     parent[T + 5 + 2] = T + 9  # a parent past the window
     parent = parent.to(torch.int32).to(device)
     with kernel_choices(verify_form=form):
-        result = run(a, lower_bound=-5.0, parent=parent)
-    assert_matches_oracle(result, oracle(a, lower_bound=-5.0, parent=parent))
+        result = run(a, lower_bound=-5.0, parent=parent, **schedule)
+    assert_matches_oracle(result, oracle(a, lower_bound=-5.0, parent=parent, **schedule))
 
 
 def test_conv_verify_policy():
