@@ -259,6 +259,17 @@ def op_problems(device, seed=0):
     problems["verify_pending"] = (torch.ops.kda_ops.verify.default, dict(
         verify_kwargs(H, R, lens, indices), query_start_loc=qsl, state_indices=si,
         pending=ints([0, 2, 1, 3, 0, 2]), spec_len=T))
+    # Tree windows (docs/semantics.md#13-tree-drafts) and the commit of their
+    # accepted paths, in both schedules.
+    parent = ints([-1, 0, -1, 0, 0, -1, -1, 0, 1])
+    tree_commit = dict(num_accepted_tokens=ints([2, 2, 1, 3]),
+                       accepted_path=ints([[0, 1, 0], [0, 2, 0], [0, 0, 0], [0, 1, 2]]))
+    problems["verify_tree_pending"] = (torch.ops.kda_ops.verify.default, dict(
+        problems["verify_pending"][1], parent=parent))
+    problems["commit_tree"] = (torch.ops.kda_ops.commit.default, dict(commit_args,
+                                                                       **tree_commit))
+    problems["commit_tree_deferred"] = (torch.ops.kda_ops.commit.default, dict(deferred,
+                                                                                **tree_commit))
     align = dict(block_table=ints([[1, 2], [3, 4], [5, 1], [2, 3]]),
                  num_computed_tokens=ints([6, 2, 7, 0]), block_size=8,
                  request_indices=ints([2, 0, 1, 3]))
