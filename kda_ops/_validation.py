@@ -414,7 +414,7 @@ def check_commit(num_accepted_tokens, state_indices, query_start_loc, state, con
                          (num_accepted_tokens.shape[0], window_len), device)
     dims = CommitDims(num_layers, stacked, num_blocks, num_heads, value_dim, key_dim, spec_len,
                       conv_dim, conv_history, origin is not None,
-                      eager_fold_below(eager_fold, pending, accepted_path is not None))
+                      eager_fold_below(eager_fold, pending))
     return dims, plan
 
 
@@ -428,18 +428,14 @@ def check_eager_fold(eager_fold):
         fail("eager_fold", f"must be True, False or None, got {eager_fold!r}")
 
 
-def eager_fold_below(eager_fold, pending, tree=False):
+def eager_fold_below(eager_fold, pending):
     """The batch below which a deferred commit folds whatever is pending
     (docs/semantics.md#11-the-deferred-schedule): DEFERRED_EAGER_FOLD_BELOW_BATCH
-    for None, every batch for True, none for False; every batch for a tree's
-    commit, whose accepted records are not contiguous."""
+    for None, every batch for True, none for False."""
     if eager_fold is None:
-        return EVERY_BATCH if tree else DEFERRED_EAGER_FOLD_BELOW_BATCH
+        return DEFERRED_EAGER_FOLD_BELOW_BATCH
     if pending is None:
         fail("eager_fold", "applies to the deferred schedule only: give it with `pending`")
-    if tree and not eager_fold:
-        fail("eager_fold", "must be True or None with `accepted_path`: a tree's commit folds "
-             "at once (docs/semantics.md#13-tree-drafts)")
     return EVERY_BATCH if eager_fold else 0
 
 

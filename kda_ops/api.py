@@ -141,13 +141,14 @@ def commit(num_accepted_tokens: Tensor, state_indices: Tensor, query_start_loc: 
             row's accepted nodes in path order (window-relative, entry 0 the
             root 0); the first `num_accepted_tokens` are folded in that order
             and the history follows them (docs/semantics.md#13-tree-drafts).
-            None: chains. With `pending`, `[rows, spec_len]`, and the commit
-            folds at once: the pending records, then the path's.
+            None: chains. With `pending`, `[rows, spec_len]`: a row whose path
+            leaves the chain 0, 1, ... folds at once (the pending records,
+            then the path's); one along it is a chain's.
         eager_fold: with `pending`, whether this commit folds whatever is
             pending, as the immediate schedule does (True), or only what the
             next window needs (False); None: True below
-            DEFERRED_EAGER_FOLD_BELOW_BATCH requests (16), where that is faster,
-            and with `accepted_path` (docs/semantics.md#11-the-deferred-schedule).
+            DEFERRED_EAGER_FOLD_BELOW_BATCH requests (16), where that is faster
+            (docs/semantics.md#11-the-deferred-schedule).
     """
     check_lower_bound(lower_bound)
     if block_size is not None:

@@ -174,13 +174,12 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, *, state, conv_s
     folding whatever is pending with `eager_fold` (None: below
     DEFERRED_EAGER_FOLD_BELOW_BATCH requests). With
     `accepted_path` ([rows, *] window positions), the records of the path's
-    nodes are folded in its order (with `pending`, at once, after the pending
-    records) and the history follows the path (docs/semantics.md#13-tree-drafts)."""
+    nodes are folded in its order (with `pending`, after the pending records,
+    at once where the path leaves the chain 0, 1, ...) and the history follows
+    the path (docs/semantics.md#13-tree-drafts)."""
     if pending is not None:
-        # A tree's accepted records are not contiguous: its commit folds at once.
-        eager = (accepted_path is not None or (
-            len(state_indices) < DEFERRED_EAGER_FOLD_BELOW_BATCH if eager_fold is None
-            else eager_fold))
+        eager = (len(state_indices) < DEFERRED_EAGER_FOLD_BELOW_BATCH if eager_fold is None
+                 else eager_fold)
         return _commit_deferred(
             num_accepted_tokens, state_indices, query_start_loc, state, conv_state, correction,
             key_gate, A_log, dt_bias, lower_bound, request_indices, block_table,
@@ -298,6 +297,8 @@ def _commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state,
             recorded = max(min(window, spec_len, R - p), 1)
             path = accepted_positions(accepted_path, r, c, recorded)
             records = list(range(p)) + [p + node for node in path]
+            # A path off the chain 0, 1, ... leaves records that cannot stay pending.
+            fold_now = fold_now or (total > 0 and path != list(range(c)))
             if not fold_now:
                 counts[layer, src] = total
             else:

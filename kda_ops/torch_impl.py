@@ -378,13 +378,27 @@ def commit(num_accepted_tokens, state_indices, query_start_loc, state, conv_stat
         _write_rows(conv[..., :dims.conv_history], final, final_ok, final_history)
 
 
+def accepted_nodes(accepted_path, row, query_start_loc, spec_len, first, capacity):
+    """Each request's accepted path `[B, T]` as window nodes, clamped into the
+    window's nodes recorded after its `first` pending records."""
+    nodes = path_positions(accepted_path, row, query_start_loc, spec_len)
+    return nodes.minimum((capacity - first).clamp(min=1)[:, None] - 1)
+
+
+def leaves_chain(nodes, count):
+    """Whether each request's first `count` accepted nodes leave the chain 0, 1, ..."""
+    steps = torch.arange(nodes.shape[1], device=nodes.device)
+    return ((nodes != steps) & (steps < count[:, None])).any(1)
+
+
 def deferred_plan(num_accepted_tokens, state_indices, query_start_loc, pending_rows, capacity,
                   spec_len, request_indices, block_table, num_computed_tokens, block_size,
-                  num_blocks, eager):
+                  num_blocks, eager, accepted_path=None):
     """docs/semantics.md#11-the-deferred-schedule per request, for one layer's
     pending counts `pending_rows [B]` (int64), folding whatever is pending where
-    `eager` (a bool or a bool tensor): (accepted c, total, fold_now, final,
-    boundary, recovery from the checkpoint), int64 / bool [B] each."""
+    `eager` (a bool or a bool tensor) or where a tree's `accepted_path` leaves
+    the chain: (accepted c, total, fold_now, final, boundary, recovery from the
+    checkpoint), int64 / bool [B] each."""
     window, row, row_ok, accepted = _request_rows(num_accepted_tokens, state_indices,
                                                   query_start_loc, request_indices, block_table)
     source = state_indices.long()
@@ -401,6 +415,9 @@ def deferred_plan(num_accepted_tokens, state_indices, query_start_loc, pending_r
         final, boundary, recovery, crosses = _align_plan(table, start, total, block_size)
     fold_now = (total > 0) & ((total + spec_len > capacity) | crosses | (final != source)
                               | eager)
+    if accepted_path is not None:  # records off the chain cannot stay pending
+        nodes = accepted_nodes(accepted_path, row, query_start_loc, spec_len, first, capacity)
+        fold_now = fold_now | ((total > 0) & leaves_chain(nodes, c))
     return c, total, fold_now, final, boundary, recovery
 
 
@@ -421,9 +438,9 @@ def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, 
     """The deferred commit: per layer and request, count the accepted tokens
     as pending, or fold every pending token into the checkpoint when the next
     window would not fit, in align mode also when the fold crosses a block or
-    leaves the checkpoint's block, and always below dims.eager_fold_below
-    requests or with `accepted_path` (a tree's accepted records are not
-    contiguous: it folds at once; docs/semantics.md#11-the-deferred-schedule)."""
+    leaves the checkpoint's block, where a tree's `accepted_path` leaves the
+    chain 0, 1, ... (its records cannot stay pending), and always below
+    dims.eager_fold_below requests (docs/semantics.md#11-the-deferred-schedule)."""
     if state_indices.shape[0] == 0:
         return
     capacity = dims.spec_len
@@ -437,22 +454,19 @@ def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, 
     dt5 = dt_bias.reshape(dims.num_layers, dims.num_heads, K)
     history = dims.conv_history
     # The batch compared as a tensor: a traced batch gains no guard.
-    eager = (source.new_ones(source.shape).sum() < dims.eager_fold_below) | (
-        accepted_path is not None)
+    eager = source.new_ones(source.shape).sum() < dims.eager_fold_below
     if accepted_path is not None:
         _, row, _, _ = _request_rows(num_accepted_tokens, state_indices, query_start_loc,
                                      request_indices, block_table)
-        window_nodes = path_positions(accepted_path, row, query_start_loc, spec_len)
     for layer in range(dims.num_layers):
         first = counts[layer].long()[safe_source].clamp(0, capacity)
         c, total, fold_now, final, boundary, recovery = deferred_plan(
             num_accepted_tokens, state_indices, query_start_loc, first, capacity, spec_len,
-            request_indices, block_table, num_computed_tokens, block_size, dims.num_blocks, eager)
-        first = total - c
+            request_indices, block_table, num_computed_tokens, block_size, dims.num_blocks, eager,
+            accepted_path)
         corr_rows, key_gate_rows = corr5[layer, safe_source], key_gate5[layer, safe_source]
         if accepted_path is not None:
-            # Nodes past those recorded after the pending records are clamped into them.
-            nodes = window_nodes.minimum((capacity - first).clamp(min=1)[:, None] - 1)
+            nodes = accepted_nodes(accepted_path, row, query_start_loc, spec_len, first, capacity)
             along = _deferred_record_order(nodes, first, capacity)[:, None, :, None]
             corr_rows = corr_rows.gather(2, along.expand_as(corr_rows))
             key_gate_rows = key_gate_rows.gather(2, along.expand_as(key_gate_rows))

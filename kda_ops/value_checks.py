@@ -481,7 +481,7 @@ def commit_plan_call(num_accepted_tokens, state_indices, query_start_loc, spec_l
                        request_indices, block_table)
 
 
-def _layer_plans(dims, window_len, metadata, block_size, counts):
+def _layer_plans(dims, window_len, metadata, block_size, counts, accepted_path):
     """Per layer (one without pending counts, whose plan every layer shares):
     (records folded, fold, final, boundary), host int64/bool [B] each."""
     accepted, source, starts, requests, table, computed = metadata
@@ -495,7 +495,7 @@ def _layer_plans(dims, window_len, metadata, block_size, counts):
     for layer_counts in counts:
         _, total, fold, final, boundary, _ = torch_impl.deferred_plan(
             accepted, source, starts, layer_counts[safe_source], dims.spec_len, window_len,
-            requests, table, computed, block_size, dims.num_blocks, eager)
+            requests, table, computed, block_size, dims.num_blocks, eager, accepted_path)
         plans.append((total, fold, final, boundary))
     return plans
 
@@ -527,7 +527,8 @@ def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv
               _host(pending).reshape(dims.num_layers if dims.stacked else 1, dims.num_blocks))
     if counts is not None:
         _check_room(counts, dims.spec_len, indices, lengths, dims.num_blocks, dims.stacked)
-    plans = _layer_plans(dims, window_len, metadata, block_size, counts)
+    plans = _layer_plans(dims, window_len, metadata, block_size, counts,
+                         None if accepted_path is None else _host(accepted_path))
     if plan.align:
         for folded, fold, final, boundary in plans:
             check_written_blocks(indices, torch.where(fold, folded, 0), final, boundary,

@@ -314,6 +314,7 @@ def deferred_tree_problem(device, seed, T=6, R=13, align=False):
     a["key_gate"] = torch.randn(layers, N, H, R, 2 * K, generator=gen)
     a["pending"] = torch.randint(0, R - T + 1, (layers, N), generator=gen, dtype=torch.int32)
     a["pending"][:, 2] = 0
+    a["pending"][:, 3] = 1  # row 2's one-node path then stays pending (eager_fold=False)
     # Each window's path to its last node: most leave the chain 0, 1, 2, ...
     starts = a["query_start_loc"].tolist()
     paths = [naive.tree_path(a["parent"][starts[b]:starts[b + 1]][:T].tolist(),
@@ -331,10 +332,13 @@ def deferred_tree_problem(device, seed, T=6, R=13, align=False):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("align", [False, True])
-def test_trees_under_the_deferred_schedule_match_the_oracle(device, stacked, align):
+@pytest.mark.parametrize("eager_fold", [None, False])
+def test_trees_under_the_deferred_schedule_match_the_oracle(device, stacked, align, eager_fold):
     """verify of tree windows after pending records (each node along its path
     from the checkpoint folded with them, recorded after them), then the
-    tree's commit, which folds at once: the pending records, then the path's.
+    tree's commit: a path that leaves the chain 0, 1, ... folds at once (the
+    pending records, then the path's), one along it stays pending as a
+    chain's would (eager_fold=False; None folds everything at this batch).
     Outputs, records, states, conv history and counts against the oracle."""
     T, R = 6, 13
     a, _ = deferred_tree_problem(device, seed=21 + stacked + 2 * align, T=T, R=R, align=align)
@@ -361,24 +365,29 @@ def test_trees_under_the_deferred_schedule_match_the_oracle(device, stacked, ali
     expected_state, expected_conv, expected_pending = naive.commit(
         *cpu(a, "num_accepted_tokens", "state_indices", "query_start_loc"),
         accepted_path=a["accepted_path"].cpu(), lower_bound=-5.0, spec_len=T,
-        **on_cpu(caches), **on_cpu(align_args))
+        eager_fold=eager_fold, **on_cpu(caches), **on_cpu(align_args))
     pending_before = caches["pending"].clone()
     kda_ops.commit(a["num_accepted_tokens"], a["state_indices"], a["query_start_loc"],
-                   accepted_path=a["accepted_path"], lower_bound=-5.0, spec_len=T, **caches,
-                   **align_args)
+                   accepted_path=a["accepted_path"], lower_bound=-5.0, spec_len=T,
+                   eager_fold=eager_fold, **caches, **align_args)
     assert_rel_close(caches["state"].cpu(), expected_state.float(), name="state")
     assert torch.equal(caches["conv_state"].cpu(), expected_conv)
     assert torch.equal(caches["pending"].cpu(), expected_pending)
-    # The committed rows folded at once, their pending records with them.
     committed = torch.tensor([1, 2, 3, 4, 6], device=device)
-    assert pending_before[..., committed].any() and not caches["pending"][..., committed].any()
+    assert pending_before[..., committed].any()
+    if eager_fold is None:
+        assert not caches["pending"][..., committed].any()
+    elif not align:  # in align mode a block boundary may fold it
+        assert (caches["pending"][..., 3] == 2).all(), "the path [0] stays pending"
+        assert not caches["pending"][..., [2, 6]].any(), "paths off the chain fold"
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_long_run_of_trees_and_chains_under_the_deferred_schedule(device):
-    """200 steps (30 interpreted or under the sanitizer) on one set of caches:
-    a step drafts random trees (1 to T nodes) and folds at once, or chains
-    whose accepted tokens stay pending (eager_fold=False), chosen at random.
+    """200 steps (30 interpreted or under the sanitizer) on one set of caches,
+    every commit with eager_fold=False: a step drafts random trees (1 to T
+    nodes) or chains, chosen at random. A tree row whose path leaves the
+    chain 0, 1, ... folds at once; one along it stays pending, as chains do.
     Every step, the checkpoints with their pending records folded in (a
     flush of copies) against sequential float64 decoding of the accepted
     tokens."""
@@ -394,7 +403,7 @@ def test_long_run_of_trees_and_chains_under_the_deferred_schedule(device):
     caches = {name: t.to(device) for name, t in caches.items()}
     gate = dict(A_log=A_log.to(device), dt_bias=dt_bias.to(device), lower_bound=-5.0)
     blocks = torch.tensor([1, 2, 3], dtype=torch.int32, device=device)
-    trees = 0
+    trees = kept = 0
     for step in range(long_run_steps(200, 30)):
         tree = rng.random() < 0.5
         trees += tree
@@ -409,41 +418,35 @@ def test_long_run_of_trees_and_chains_under_the_deferred_schedule(device):
                        caches["key_gate"], qsl.to(device), blocks, lower_bound=-5.0,
                        pending=caches["pending"], spec_len=T,
                        parent=parents.to(device) if tree else None)
-        paths, accepted = [], []
+        paths, accepted, off_chain = [], [], []
         for b in range(B):
             window = parents[qsl[b]:qsl[b + 1]].tolist()
             path = random_path(window, rng) if tree else list(range(rng.randint(0, lens[b])))
             accepted.append(len(path))
             paths.append(path + [0] * (T - len(path)))
+            off_chain.append(path != list(range(len(path))))
             for h in range(H):
                 for node in path:
                     token = int(qsl[b]) + node
                     truth[b + 1, h], _, _ = naive.step(
                         truth[b + 1, h], q[token, h], k[token, h], v[token, h], g[token, h],
                         beta[token, h], A_log[h], dt_bias[h], -5.0, K ** -0.5)
-        schedule = (dict(accepted_path=torch.tensor(paths, dtype=torch.int32, device=device))
-                    if tree else dict(eager_fold=False))
+        tree_args = (dict(accepted_path=torch.tensor(paths, dtype=torch.int32, device=device))
+                     if tree else {})
         kda_ops.commit(torch.tensor(accepted, dtype=torch.int32, device=device), blocks,
                        qsl.to(device), state=caches["state"], correction=caches["correction"],
                        key_gate=caches["key_gate"], pending=caches["pending"], spec_len=T,
-                       **gate, **schedule)
+                       eager_fold=False, **gate, **tree_args)
         if tree:
-            assert not caches["pending"].any(), f"a tree's commit folds at once (step {step})"
+            counts = caches["pending"][blocks.long()].tolist()
+            assert not any(count for count, off in zip(counts, off_chain) if off), (
+                f"a path off the chain folds at once (step {step})")
+            kept += sum(1 for count, off in zip(counts, off_chain) if count and not off)
         flushed = {name: t.clone() for name, t in caches.items()}
         kda_ops.flush(blocks, **flushed, **gate)
         assert_rel_close(flushed["state"].cpu(), truth, tol=1e-4,
                          name=f"state after step {step}")
-    assert 0 < trees < long_run_steps(200, 30)
-
-
-def test_a_tree_s_deferred_commit_folds_at_once():
-    a, _ = deferred_tree_problem("cpu", seed=25)
-    with pytest.raises(ValueError, match="`eager_fold` must be True or None with "
-                                         "`accepted_path`: a tree's commit folds at once"):
-        kda_ops.commit(a["num_accepted_tokens"], a["state_indices"], a["query_start_loc"],
-                       state=a["state"], correction=a["correction"], key_gate=a["key_gate"],
-                       A_log=a["A_log"], dt_bias=a["dt_bias"], pending=a["pending"],
-                       accepted_path=a["accepted_path"], spec_len=6, eager_fold=False)
+    assert 0 < trees < long_run_steps(200, 30) and kept > 0
 
 
 @pytest.mark.parametrize("mutate, message", [

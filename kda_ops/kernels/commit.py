@@ -95,14 +95,29 @@ def _plan(b, accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr, comp
 
 
 @triton.jit
-def folds_now(total, boundary_col, final, source, batch, SPEC_LEN: tl.constexpr,
+def folds_now(total, boundary_col, final, source, batch, off_chain, SPEC_LEN: tl.constexpr,
               RECORDS: tl.constexpr, EAGER_FOLD_BELOW: tl.constexpr):
     """Whether a deferred commit over `batch` requests writes the fold back:
     when the next window would not fit after the pending records, in align mode
     when the fold crosses a block boundary or its last token leaves the
-    checkpoint's block, and always below EAGER_FOLD_BELOW requests."""
+    checkpoint's block, where a tree's accepted path leaves the chain
+    (`off_chain`, _path_leaves_chain), and always below EAGER_FOLD_BELOW requests."""
     return (total > 0) & ((total + SPEC_LEN > RECORDS) | (boundary_col >= 0) | (final != source)
-                          | (batch < EAGER_FOLD_BELOW))
+                          | (batch < EAGER_FOLD_BELOW) | off_chain)
+
+
+@triton.jit
+def _path_leaves_chain(path_row, stride_path_col, last_node, count, SPEC_LEN: tl.constexpr,
+                       TREE: tl.constexpr):
+    """Whether the first `count` nodes of a tree's accepted path (as
+    path_position reads them) leave the chain 0, 1, ...: their records are
+    then not contiguous and cannot stay pending. False for chains."""
+    leaves = count < 0
+    if TREE:
+        for i in tl.static_range(SPEC_LEN):
+            node = path_position(path_row, stride_path_col, i, last_node, TREE)
+            leaves = leaves | ((i < count) & (node != i))
+    return leaves
 
 
 @triton.jit
@@ -139,7 +154,8 @@ def _fold_plan_kernel(
             b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
             boundary_col, total, stride_bt_row, stride_bt_col, ALIGN)
         folds = (_folds(total, boundary_col, final, source, boundary, num_blocks, batch,
-                        SPEC_LEN, RECORDS, True, EAGER_FOLD_BELOW) & in_range).to(tl.int32)
+                        total < 0, SPEC_LEN, RECORDS, True, EAGER_FOLD_BELOW)
+                 & in_range).to(tl.int32)
         at = fold_plan_ptr + (listed + tl.cumsum(folds, 0) - folds) * PLAN_ROW
         listing = folds > 0
         tl.store(at, layer, mask=listing)
@@ -174,14 +190,14 @@ def _plan_blocks(b, state_indices_ptr, stride_state_indices, block_table_ptr, ro
 
 
 @triton.jit
-def _folds(count, boundary_col, final, source, boundary, num_blocks, batch,
+def _folds(count, boundary_col, final, source, boundary, num_blocks, batch, off_chain,
            SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr, DEFERRED: tl.constexpr,
            EAGER_FOLD_BELOW: tl.constexpr):
     """Whether the commit over `batch` requests writes a fold: records to fold
     (deferred: now), a valid checkpoint and a valid block to write."""
     if DEFERRED:  # `count` holds the total so far: fold it now, or leave it pending
-        count = tl.where(folds_now(count, boundary_col, final, source, batch, SPEC_LEN, RECORDS,
-                                   EAGER_FOLD_BELOW), count, 0)
+        count = tl.where(folds_now(count, boundary_col, final, source, batch, off_chain,
+                                   SPEC_LEN, RECORDS, EAGER_FOLD_BELOW), count, 0)
     return ((count > 0) & block_is_valid(source, num_blocks)
             & (block_is_valid(final, num_blocks) | block_is_valid(boundary, num_blocks)))
 
@@ -343,8 +359,10 @@ def _commit_state_kernel(
             boundary_col, commit, stride_bt_row, stride_bt_col, ALIGN)
         path_row, last_node = _path_row(b, row, path_ptr, stride_path_row, query_start_ptr,
                                         stride_query_start, first, SPEC_LEN, RECORDS, TREE)
+        off_chain = _path_leaves_chain(path_row, stride_path_col, last_node, commit - first,
+                                       SPEC_LEN, TREE)
         if _folds(commit, boundary_col, final, source, boundary, num_blocks, tl.num_programs(1),
-                  SPEC_LEN, RECORDS, DEFERRED, EAGER_FOLD_BELOW):
+                  off_chain, SPEC_LEN, RECORDS, DEFERRED, EAGER_FOLD_BELOW):
             _fold_tile(state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr, layer, h,
                        pid_v, commit, source, final, boundary, recovery, num_blocks, lower_bound,
                        stride_s_layer, stride_s_blk, stride_s_head, stride_s_v, stride_s_k,
@@ -425,9 +443,13 @@ def _commit_conv_kernel(
     source, final, boundary = _plan_blocks(
         b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
         boundary_col, total, stride_bt_row, stride_bt_col, ALIGN)
+    path_row, last_node = _path_row(b, row, path_ptr, stride_path_row, query_start_ptr,
+                                    stride_query_start, first, SPEC_LEN, RECORDS, TREE)
     if DEFERRED:  # a fold left for later keeps the history in the source block
-        fold = folds_now(total, boundary_col, final, source, tl.num_programs(1), SPEC_LEN,
-                         RECORDS, EAGER_FOLD_BELOW)
+        fold = folds_now(total, boundary_col, final, source, tl.num_programs(1),
+                         _path_leaves_chain(path_row, stride_path_col, last_node, commit,
+                                            SPEC_LEN, TREE),
+                         SPEC_LEN, RECORDS, EAGER_FOLD_BELOW)
         if pid_d == 0:
             _store_counts(pending_ptr + layer * stride_p_layer, stride_p_blk, fold, total, source,
                           final, boundary, num_blocks)
@@ -445,8 +467,6 @@ def _commit_conv_kernel(
         cols = conv_ptr + layer * stride_layer + offs_d * stride_dim
         src = cols + source * stride_blk
         # History after n tokens: columns n-1 .. n-1+HISTORY-1 of the window buffer.
-        path_row, last_node = _path_row(b, row, path_ptr, stride_path_row, query_start_ptr,
-                                        stride_query_start, first, SPEC_LEN, RECORDS, TREE)
         final_hist = ()
         boundary_hist = ()
         for c in tl.static_range(HISTORY):
@@ -498,12 +518,14 @@ def _store_counts(counts, stride_p_blk, fold, total, source, final, boundary, nu
 def _pending_counts_kernel(
     pending_ptr,
     accepted_ptr, request_ptr, state_indices_ptr, query_start_ptr,
-    block_table_ptr, computed_ptr,
+    block_table_ptr, computed_ptr, path_ptr,
     num_blocks, num_rows, bt_cols, block_size,
     stride_accepted, stride_request, stride_state_indices, stride_query_start,
     stride_bt_row, stride_bt_col, stride_computed, stride_p_layer, stride_p_blk,
+    stride_path_row, stride_path_col,
     SPEC_LEN: tl.constexpr, RECORDS: tl.constexpr, HAS_REQUEST_INDICES: tl.constexpr,
-    ALIGN: tl.constexpr, FLUSH: tl.constexpr, EAGER_FOLD_BELOW: tl.constexpr, PDL: tl.constexpr,
+    ALIGN: tl.constexpr, FLUSH: tl.constexpr, EAGER_FOLD_BELOW: tl.constexpr,
+    TREE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The pending counts after a deferred commit without conv history (the
     total where the fold waits; zero in every block a fold wrote) or after a
@@ -517,7 +539,7 @@ def _pending_counts_kernel(
         if block_is_valid(source, num_blocks):
             tl.store(counts + source * stride_p_blk, 0)
     else:
-        _, total, row, final_col, boundary_col, _, _ = deferred_plan_row(
+        commit, total, row, final_col, boundary_col, _, first = deferred_plan_row(
             b, accepted_ptr, stride_accepted, request_ptr, stride_request, state_indices_ptr,
             stride_state_indices, query_start_ptr, stride_query_start, computed_ptr,
             stride_computed, counts, stride_p_blk, num_rows, num_blocks, bt_cols, block_size,
@@ -525,8 +547,12 @@ def _pending_counts_kernel(
         source, final, boundary = _plan_blocks(
             b, state_indices_ptr, stride_state_indices, block_table_ptr, row, final_col,
             boundary_col, total, stride_bt_row, stride_bt_col, ALIGN)
-        fold = folds_now(total, boundary_col, final, source, tl.num_programs(0), SPEC_LEN,
-                         RECORDS, EAGER_FOLD_BELOW)
+        path_row, last_node = _path_row(b, row, path_ptr, stride_path_row, query_start_ptr,
+                                        stride_query_start, first, SPEC_LEN, RECORDS, TREE)
+        fold = folds_now(total, boundary_col, final, source, tl.num_programs(0),
+                         _path_leaves_chain(path_row, stride_path_col, last_node, commit,
+                                            SPEC_LEN, TREE),
+                         SPEC_LEN, RECORDS, EAGER_FOLD_BELOW)
         _store_counts(counts, stride_p_blk, fold, total, source, final, boundary, num_blocks)
 
 
@@ -637,7 +663,7 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
                  ALIGN=plan.align, RECORDS=records, EAGER_FOLD_BELOW=dims.eager_fold_below)
     K, V = dims.key_dim, dims.value_dim
     launch = dependent_launch(state, plan.batch)
-    # A tree's commit folds every pair (eager): a program per tile, no fold plan.
+    # A tree's commit plans its folds in the tile programs: no fold plan.
     listed = deferred and not tree and listed_folds(plan.batch)
     num_pairs = dims.num_layers * plan.batch
     # The history launch writes the new pending counts, from a copy of the old
@@ -688,8 +714,8 @@ def launch_commit(num_accepted_tokens, state_indices, query_start_loc, state, co
         )
     if deferred and not history_counts:
         wrap_triton(_pending_counts_kernel)[(plan.batch, dims.num_layers)](
-            pending, *pointers, dims.num_blocks, *scalars, *strides, *pending_strides,
-            FLUSH=False, **flags, num_warps=1, **launch,
+            pending, *pointers, path, dims.num_blocks, *scalars, *strides, *pending_strides,
+            *path_strides, FLUSH=False, TREE=tree, **flags, num_warps=1, **launch,
         )
 
 
@@ -720,9 +746,10 @@ def launch_flush(state_indices, state, correction, key_gate, pending, A_log, dt_
         **constexprs, num_warps=warps, **launch_options(launch),
     )
     wrap_triton(_pending_counts_kernel)[(batch, dims.num_layers)](
-        pending, *pointers, dims.num_blocks, *scalars, *strides, *pending_strides,
-        SPEC_LEN=dims.spec_len, RECORDS=dims.spec_len, HAS_REQUEST_INDICES=False, ALIGN=False,
-        FLUSH=True, EAGER_FOLD_BELOW=0, num_warps=1, **launch,
+        pending, *pointers, state_indices, dims.num_blocks, *scalars, *strides,
+        *pending_strides, 0, 0, SPEC_LEN=dims.spec_len, RECORDS=dims.spec_len,
+        HAS_REQUEST_INDICES=False, ALIGN=False, FLUSH=True, EAGER_FOLD_BELOW=0, TREE=False,
+        num_warps=1, **launch,
     )
 
 
