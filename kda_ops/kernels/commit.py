@@ -359,8 +359,10 @@ def _commit_state_kernel(
             boundary_col, commit, stride_bt_row, stride_bt_col, ALIGN)
         path_row, last_node = _path_row(b, row, path_ptr, stride_path_row, query_start_ptr,
                                         stride_query_start, first, SPEC_LEN, RECORDS, TREE)
-        off_chain = _path_leaves_chain(path_row, stride_path_col, last_node, commit - first,
-                                       SPEC_LEN, TREE)
+        off_chain = commit < 0
+        if DEFERRED:  # the immediate commit folds whatever path it is given
+            off_chain = _path_leaves_chain(path_row, stride_path_col, last_node, commit - first,
+                                           SPEC_LEN, TREE)
         if _folds(commit, boundary_col, final, source, boundary, num_blocks, tl.num_programs(1),
                   off_chain, SPEC_LEN, RECORDS, DEFERRED, EAGER_FOLD_BELOW):
             _fold_tile(state_ptr, correction_ptr, key_gate_ptr, A_log_ptr, dt_bias_ptr, layer, h,
