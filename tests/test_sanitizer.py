@@ -3,8 +3,8 @@ conv_verify's CUDA tests: every verify form with pending records, the
 deferred commit in both its forms (a program per tile; the fold plan, whose
 persistent programs claim tiles from a counter), flush and align mode; tree
 verify in every form that takes trees, conv_update of trees and the commit of
-accepted paths (align mode included); conv_verify in every form, fused or
-not; in a process of their own."""
+accepted paths (align mode included), in both schedules; conv_verify in every
+form, fused or not; in a process of their own."""
 
 import os
 import shutil
