@@ -1,6 +1,6 @@
 """Every reference to a section of the package's docs (`docs/semantics.md#13-tree-drafts`
 in code and docs, `semantics.md#...` links between the docs) names a heading that
-exists, under the anchor GitHub gives it."""
+exists, under the anchor GitHub gives it; CI runs the commands README gives."""
 
 import re
 from pathlib import Path
@@ -52,3 +52,17 @@ def test_reference_names_an_existing_section(where, name, target):
     doc = DOCS / name
     assert doc.is_file(), f"{where}: no docs/{name}"
     assert target in anchors(doc), f"{where}: docs/{name} has no section #{target}"
+
+
+def _bash_blocks(text):
+    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+
+
+def test_ci_runs_readme_s_install_and_test_commands():
+    """.ci/run installs exactly as README says and runs README's test command:
+    both commands appear in it word for word."""
+    readme = _bash_blocks((ROOT / "README.md").read_text())
+    install = next(block for block in readme if "pip install 'torch==" in block).strip()
+    tests = next(block for block in readme if "python -m pytest" in block).strip()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert install in ci and tests in ci
