@@ -398,7 +398,8 @@ def deferred_plan(num_accepted_tokens, state_indices, query_start_loc, pending_r
     pending counts `pending_rows [B]` (int64), folding whatever is pending where
     `eager` (a bool or a bool tensor) or where a tree's `accepted_path` leaves
     the chain: (accepted c, total, fold_now, final, boundary, recovery from the
-    checkpoint), int64 / bool [B] each."""
+    checkpoint), int64 / bool [B] each, and the path's window nodes `[B, T]`
+    (accepted_nodes; None for chains)."""
     window, row, row_ok, accepted = _request_rows(num_accepted_tokens, state_indices,
                                                   query_start_loc, request_indices, block_table)
     source = state_indices.long()
@@ -415,10 +416,11 @@ def deferred_plan(num_accepted_tokens, state_indices, query_start_loc, pending_r
         final, boundary, recovery, crosses = _align_plan(table, start, total, block_size)
     fold_now = (total > 0) & ((total + spec_len > capacity) | crosses | (final != source)
                               | eager)
+    nodes = None
     if accepted_path is not None:  # records off the chain cannot stay pending
         nodes = accepted_nodes(accepted_path, row, query_start_loc, spec_len, first, capacity)
         fold_now = fold_now | ((total > 0) & leaves_chain(nodes, c))
-    return c, total, fold_now, final, boundary, recovery
+    return c, total, fold_now, final, boundary, recovery, nodes
 
 
 def _deferred_record_order(positions, first, capacity):
@@ -455,18 +457,14 @@ def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, 
     history = dims.conv_history
     # The batch compared as a tensor: a traced batch gains no guard.
     eager = source.new_ones(source.shape).sum() < dims.eager_fold_below
-    if accepted_path is not None:
-        _, row, _, _ = _request_rows(num_accepted_tokens, state_indices, query_start_loc,
-                                     request_indices, block_table)
     for layer in range(dims.num_layers):
         first = counts[layer].long()[safe_source].clamp(0, capacity)
-        c, total, fold_now, final, boundary, recovery = deferred_plan(
+        c, total, fold_now, final, boundary, recovery, nodes = deferred_plan(
             num_accepted_tokens, state_indices, query_start_loc, first, capacity, spec_len,
             request_indices, block_table, num_computed_tokens, block_size, dims.num_blocks, eager,
             accepted_path)
         corr_rows, key_gate_rows = corr5[layer, safe_source], key_gate5[layer, safe_source]
-        if accepted_path is not None:
-            nodes = accepted_nodes(accepted_path, row, query_start_loc, spec_len, first, capacity)
+        if nodes is not None:
             along = _deferred_record_order(nodes, first, capacity)[:, None, :, None]
             corr_rows = corr_rows.gather(2, along.expand_as(corr_rows))
             key_gate_rows = key_gate_rows.gather(2, along.expand_as(key_gate_rows))
@@ -480,7 +478,7 @@ def commit_deferred(num_accepted_tokens, state_indices, query_start_loc, state, 
         _write_rows(layer_state, final, final_ok, S[None])
         if conv is not None:
             rows = conv[layer, safe_source]                                    # [B, D, cols]
-            if accepted_path is not None:
+            if nodes is not None:
                 rows = _path_sequence(rows, nodes, history)
             layer_conv = conv[layer:layer + 1, ..., :history]
             destination = torch.where(fold_now, final, source)

@@ -493,7 +493,7 @@ def _layer_plans(dims, window_len, metadata, block_size, counts, accepted_path):
     eager = source.shape[0] < dims.eager_fold_below
     plans = []
     for layer_counts in counts:
-        _, total, fold, final, boundary, _ = torch_impl.deferred_plan(
+        _, total, fold, final, boundary, _, _ = torch_impl.deferred_plan(
             accepted, source, starts, layer_counts[safe_source], dims.spec_len, window_len,
             requests, table, computed, block_size, dims.num_blocks, eager, accepted_path)
         plans.append((total, fold, final, boundary))
@@ -539,12 +539,9 @@ def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv
     # history and window's inputs.
     reads = torch.stack([folded for folded, _, _, _ in plans]).amax(0) if plans else \
         torch.zeros_like(indices)
-    # A tree's path follows the pending records (every layer's most).
-    pending_before = torch.zeros(dims.num_blocks, dtype=torch.int64)
-    if counts is not None and counts.shape[0] > 0:
-        pending_before = counts.clamp(0, dims.spec_len).amax(0)
-    live = [(row, block, pending_before[block].item() + extents[row] if row in extents
-             else reads[row].item())
+    # A tree's path follows the pending records.
+    live = [(row, block, _most_pending(counts, block, dims.spec_len) + extents[row]
+             if row in extents else reads[row].item())
             for row, block in _live(indices, dims.num_blocks) if reads[row] > 0]
     check_read_caches("commit", "given to", state, correction, key_gate, dims.stacked, live)
     if conv_state is not None:
@@ -554,6 +551,15 @@ def commit_call(num_accepted_tokens, state_indices, query_start_loc, state, conv
         check_cache_values("commit", "given to", "conv_state", conv_state, dims.stacked, inputs,
                            dim=-1)
     return dims, plans
+
+
+def _most_pending(counts, block, positions):
+    """The most records pending in `block` over the layers of `counts`
+    (`[layers, N]`, None: none), clamped into the `positions` records."""
+    if counts is None:
+        return 0
+    return max((min(max(count, 0), positions) for count in counts[:, block].tolist()),
+               default=0)
 
 
 def _check_room(counts, positions, indices, lengths, num_blocks, stacked):
@@ -590,8 +596,8 @@ def flush_call(state_indices, state, correction, key_gate, pending, A_log, dt_bi
     indices = check_blocks(state_indices, dims.num_blocks)
     check_parameter_values("flush", A_log=A_log, dt_bias=dt_bias)
     check_gates(key_gate, A_log, dt_bias, lower_bound, dims.stacked)
-    counts = _host(pending).reshape(-1, dims.num_blocks).clamp(0, dims.spec_len)
-    live = [(row, block, max(counts[:, block].tolist(), default=0))
+    counts = _host(pending).reshape(-1, dims.num_blocks)
+    live = [(row, block, _most_pending(counts, block, dims.spec_len))
             for row, block in _live(indices, dims.num_blocks)]
     check_read_caches("flush", "pending in", state, correction, key_gate, dims.stacked, live)
     return dims, live

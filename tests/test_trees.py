@@ -50,6 +50,17 @@ def random_path(parents, rng):
     return path[:rng.randint(1, len(path))]
 
 
+def decode_path(truth, path, bos, q, k, v, g, beta, A_log, dt_bias):
+    """Sequential float64 decoding of a window's accepted nodes `path` (its
+    tokens from `bos`) into one block's states `truth [H, V, K]`."""
+    for h in range(H):
+        for node in path:
+            token = bos + node
+            truth[h], _, _ = naive.step(truth[h], q[token, h], k[token, h], v[token, h],
+                                        g[token, h], beta[token, h], A_log[h], dt_bias[h], -5.0,
+                                        K ** -0.5)
+
+
 def problem(device, seed, T=16, lens=(16, 7, 1, 12, 0, 16, 5), indices=(1, 2, 3, 0, 4, 5, 9),
             shapes=("random", "binary", "chain", "star", "chain", "deep", "random"), N=8,
             layers=2, K=K, V=V):
@@ -287,12 +298,7 @@ def test_long_run_of_random_trees_against_sequential_decoding(device):
             path = random_path(parents[qsl[b]:qsl[b + 1]].tolist(), rng)
             accepted.append(len(path))
             paths.append(path + [0] * (T - len(path)))
-            for h in range(H):
-                for node in path:
-                    token = int(qsl[b]) + node
-                    truth[b + 1, h], _, _ = naive.step(
-                        truth[b + 1, h], q[token, h], k[token, h], v[token, h], g[token, h],
-                        beta[token, h], A_log[h], dt_bias[h], -5.0, K ** -0.5)
+            decode_path(truth[b + 1], path, int(qsl[b]), q, k, v, g, beta, A_log, dt_bias)
         kda_ops.commit(torch.tensor(accepted, dtype=torch.int32, device=device), blocks_d,
                        qsl.to(device), state=state_d, correction=correction_d,
                        key_gate=key_gate_d, A_log=A_log_d, dt_bias=dt_bias_d, lower_bound=-5.0,
@@ -425,12 +431,7 @@ def test_long_run_of_trees_and_chains_under_the_deferred_schedule(device):
             accepted.append(len(path))
             paths.append(path + [0] * (T - len(path)))
             off_chain.append(path != list(range(len(path))))
-            for h in range(H):
-                for node in path:
-                    token = int(qsl[b]) + node
-                    truth[b + 1, h], _, _ = naive.step(
-                        truth[b + 1, h], q[token, h], k[token, h], v[token, h], g[token, h],
-                        beta[token, h], A_log[h], dt_bias[h], -5.0, K ** -0.5)
+            decode_path(truth[b + 1], path, int(qsl[b]), q, k, v, g, beta, A_log, dt_bias)
         tree_args = (dict(accepted_path=torch.tensor(paths, dtype=torch.int32, device=device))
                      if tree else {})
         kda_ops.commit(torch.tensor(accepted, dtype=torch.int32, device=device), blocks,
