@@ -166,10 +166,11 @@ def path_position(path_row, stride_path_col, i, last_node, TREE: tl.constexpr):
     """The record position of a commit's i-th folded token: i in a chain; in a
     tree entry i of the accepted path at `path_row`, clamped into the window's
     nodes 0..last_node (docs/semantics.md#13-tree-drafts)."""
-    if TREE:
+    position = i
+    if TREE:  # one return: Triton 3.6 unifies the types of every return statement
         entry = tl.load(path_row + i * stride_path_col).to(tl.int64)
-        return tl.minimum(tl.maximum(entry, 0), last_node)
-    return i
+        position = tl.minimum(tl.maximum(entry, 0), last_node)
+    return position
 
 
 @triton.jit
