@@ -311,7 +311,7 @@ def test_an_interrupted_run_keeps_the_rows_it_measured(tmp_path, monkeypatch):
 
 
 # The saved runs whose tables docs/performance.md shows.
-DOC_RUNS = ["h200-2026-12-05", "h100-deferred-t4", "h100-trees-t8", "h100-trees-t16"]
+DOC_RUNS = ["h200-2026-12-05", "h100-deferred-default-t4", "h100-trees-t8", "h100-trees-t16"]
 
 
 @pytest.mark.parametrize("name", DOC_RUNS)
