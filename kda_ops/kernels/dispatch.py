@@ -317,11 +317,15 @@ def dependent_launch(t, batch):
     # FP fusion pinned on, so that results and speed do not follow the user's
     # TRITON_DEFAULT_FP_FUSION (off: the step 6-13% slower at B = 1, H100).
     options = dict(PDL=False, enable_fp_fusion=True)
-    if (_choices.get().programmatic_launch and t.is_cuda
-            and batch < PROGRAMMATIC_LAUNCH_BELOW_BATCH
-            and torch.cuda.get_device_capability(t.device)[0] >= 9):
+    if (_choices.get().programmatic_launch and batch < PROGRAMMATIC_LAUNCH_BELOW_BATCH
+            and launches_programmatically(t)):
         options.update(PDL=True, launch_pdl=True)
     return options
+
+
+def launches_programmatically(t):
+    """Whether `t`'s device takes programmatic dependent launch (sm_90 or later)."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
 def launch_options(launch):
