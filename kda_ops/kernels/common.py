@@ -167,7 +167,7 @@ def path_position(path_row, stride_path_col, i, last_node, TREE: tl.constexpr):
     tree entry i of the accepted path at `path_row`, clamped into the window's
     nodes 0..last_node (docs/semantics.md#13-tree-drafts)."""
     position = i
-    if TREE:  # one return: Triton 3.6 unifies the types of every return statement
+    if TREE:  # one return: Triton (3.6, 3.9) types every return, even in a branch not taken
         entry = tl.load(path_row + i * stride_path_col).to(tl.int64)
         position = tl.minimum(tl.maximum(entry, 0), last_node)
     return position
