@@ -77,20 +77,21 @@ def built_not_run(monkeypatch):
         triton.runtime.driver._active = saved
 
 
-def step_inputs(batch, T, *, tree=False, records=None):
+def step_inputs(batch, T, *, tree=False, records=None, activations=torch.bfloat16,
+                state_dtype=torch.float32):
     """A decode step's tensors, unfilled (nothing reads them): windows of T
     tokens, caches of every layer stacked with records of `records` positions
     (default T; given, the deferred schedule's pending counts too)."""
     R = records or T
     N = batch + 1
     n = batch * T
-    act = dict(dtype=torch.bfloat16)
+    act = dict(dtype=activations)
     a = dict(q=torch.empty(n, H, K, **act), k=torch.empty(n, H, K, **act),
              v=torch.empty(n, H, V, **act), g=torch.empty(n, H, K, **act),
              beta=torch.empty(n, H, **act), x=torch.empty(n, D, **act),
              conv_weight=torch.empty(D, W, **act), conv_bias=torch.empty(D, **act),
              A_log=torch.empty(LAYERS, H), dt_bias=torch.empty(LAYERS, H, K),
-             state=torch.empty(LAYERS, N, H, V, K), correction=torch.empty(LAYERS, N, H, R, V),
+             state=torch.empty(LAYERS, N, H, V, K, dtype=state_dtype), correction=torch.empty(LAYERS, N, H, R, V),
              key_gate=torch.empty(LAYERS, N, H, R, 2 * K, **act),
              conv_state=torch.empty(LAYERS, N, D, W - 1 + T - 1, **act),
              query_start_loc=query_start_loc([T] * batch, "cpu"),
@@ -221,6 +222,51 @@ def test_commit_builds(monkeypatch, case):
                        state=a["state"], correction=a["correction"], key_gate=a["key_gate"],
                        A_log=a["A_log"], dt_bias=a["dt_bias"], **extra)
     assert set(built) == commit_kernels(case)
+
+
+OPTION_CASES = [
+    dict(state_dtype=torch.bfloat16),
+    dict(activations=torch.float16),
+    dict(activations=torch.float32),
+    dict(lower_bound=None),
+    dict(request_indices=True),
+    dict(conv_bias=False, activation=None),
+]
+
+
+@pytest.mark.parametrize("form", ["closed_form", "separate_terms"])
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("options", OPTION_CASES,
+                         ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_dtypes_and_options_build(monkeypatch, form, deferred, options):
+    """A bf16 state, fp16 and fp32 activations, the softplus gate (no lower
+    bound), commit's request indices, and the convolution without bias or
+    activation (fused, unless separate terms): conv_verify, then commit."""
+    T, batch = 4, SMALL_BATCH
+    dtypes = {name: options[name] for name in ("state_dtype", "activations") if name in options}
+    stacked = step_inputs(batch, T, records=T + 8 if deferred else None, **dtypes)
+    a = first_layer(stacked)
+    lower_bound = options.get("lower_bound", -5.0)
+    extra = dict(pending=a["pending"], spec_len=T) if deferred else {}
+    fused = "activation" in options and form != "separate_terms"
+    with built_not_run(monkeypatch) as built, kernel_choices(verify_form=form, fused_conv=fused):
+        kda_ops.conv_verify(
+            a["x"], a["conv_state"], a["conv_weight"],
+            a["conv_bias"] if options.get("conv_bias", True) else None, a["g"], a["beta"],
+            *(a[name] for name in ("A_log", "dt_bias", "state", "correction", "key_gate")),
+            a["query_start_loc"], a["state_indices"],
+            activation=options.get("activation", "silu"), lower_bound=lower_bound, **extra)
+        if deferred:
+            extra = dict(pending=stacked["pending"], spec_len=T)
+        if options.get("request_indices"):
+            extra.update(request_indices=torch.arange(batch, dtype=torch.int32))
+        kda_ops.commit(stacked["num_accepted_tokens"], stacked["state_indices"],
+                       stacked["query_start_loc"], state=stacked["state"],
+                       conv_state=stacked["conv_state"], correction=stacked["correction"],
+                       key_gate=stacked["key_gate"], A_log=stacked["A_log"],
+                       dt_bias=stacked["dt_bias"], lower_bound=lower_bound, **extra)
+    assert set(built) == (verify_kernels(form, fused) | {"_commit_state_kernel",
+                                                          "_commit_conv_kernel"})
 
 
 @pytest.mark.parametrize("tree", [False, True])
