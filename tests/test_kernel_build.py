@@ -281,6 +281,11 @@ def test_conv_update_builds(monkeypatch, tree, bias, activation):
     assert built == ["_conv_update_kernel"]
 
 
+FLUSH_AND_HELPER_KERNELS = {"_commit_state_kernel", "_pending_counts_kernel",
+                            "_commit_plan_kernel", "_aligned_state_indices_kernel",
+                            "_stage_spec_decode_kernel"}
+
+
 @pytest.mark.parametrize("align", [False, True])
 def test_flush_commit_plan_and_metadata_helpers_build(monkeypatch, align):
     a = step_inputs(SMALL_BATCH, 4, records=12)
@@ -299,22 +304,22 @@ def test_flush_commit_plan_and_metadata_helpers_build(monkeypatch, align):
                   torch.empty(8, dtype=torch.int32))
         kda_ops.stage_spec_decode_metadata(a["state_indices"], a["query_start_loc"],
                                            a["num_accepted_tokens"], *staged, SMALL_BATCH)
-    assert {"_commit_state_kernel", "_pending_counts_kernel", "_commit_plan_kernel",
-            "_aligned_state_indices_kernel", "_stage_spec_decode_kernel"} <= set(built)
+    assert set(built) == FLUSH_AND_HELPER_KERNELS
 
 
 def test_every_kernel_is_built_by_a_case_above():
-    """A kernel added to kda_ops.kernels without a case here fails."""
+    """The kernels the cases above build (each asserts its own) are every
+    kernel of kda_ops.kernels: one added without a case fails here."""
     from triton.runtime.jit import JITFunction
 
     from kda_ops.kernels import commit, conv, staging, verify, verify_tensor_cores
 
-    launched = {name for module in (commit, conv, staging, verify, verify_tensor_cores)
-                for name, value in vars(module).items()
-                if isinstance(value, JITFunction) and name.endswith("_kernel")
-                and value.fn.__module__ == module.__name__}
-    assert launched == {
-        "_fold_plan_kernel", "_commit_state_kernel", "_commit_conv_kernel",
-        "_pending_counts_kernel", "_commit_plan_kernel", "_conv_update_kernel",
-        "_aligned_state_indices_kernel", "_stage_spec_decode_kernel", "_verify_kernel",
-        "window_terms_kernel", "tensor_core_verify_kernel"}
+    defined = {name for module in (commit, conv, staging, verify, verify_tensor_cores)
+               for name, value in vars(module).items()
+               if isinstance(value, JITFunction) and name.endswith("_kernel")
+               and value.fn.__module__ == module.__name__}
+    covered = set().union(
+        *(verify_kernels(form, fused) for _, form, _, _, fused, _ in VERIFY_CASES),
+        *(commit_kernels(case) for case in COMMIT_CASES),
+        {"_conv_update_kernel"}, FLUSH_AND_HELPER_KERNELS)
+    assert defined == covered
