@@ -503,42 +503,26 @@ def kernel_writes(op, kwargs):
 
 
 class stand_in_cuda_target:
-    """Lets Triton build TTIR for an sm_90 target without a GPU (CPU-only CI):
-    installs a driver whose only capability is naming that target, and routes
-    the op bodies to their Triton launches for CPU tensors. Only for tracing
-    (kernel_writes); nothing may run. Restores both on exit."""
+    """Lets Triton build TTIR for an sm_90 target without a GPU (CPU-only CI),
+    routing the op bodies to their Triton launches for CPU tensors
+    (tools/stand_in_target.py). Only for tracing (kernel_writes); nothing may
+    run. Restores both on exit."""
 
     class Unavailable(Exception):
         """This Triton offers no way to name a target without a driver."""
 
     def __enter__(self):
-        import kda_ops.ops
+        from tools.stand_in_target import sm90_launches
 
+        self._context = sm90_launches()
         try:
-            import triton
-            from triton.backends.compiler import GPUTarget
-
-            target = GPUTarget("cuda", 90, 32)
-            self._driver = triton.runtime.driver
-            self._saved_driver = self._driver._active
-        except Exception as error:  # an API this Triton does not have
+            self._context.__enter__()
+        except (ImportError, AttributeError) as error:  # an API this Triton does not have
             raise stand_in_cuda_target.Unavailable(repr(error)) from error
-
-        class _TargetOnlyDriver:
-            def get_current_target(self):
-                return target
-
-        self._saved_use_triton = kda_ops.ops.use_triton
-        self._driver.set_active(_TargetOnlyDriver())
-        kda_ops.ops.use_triton = lambda t: True
         return self
 
     def __exit__(self, *exc):
-        import kda_ops.ops
-
-        self._driver._active = self._saved_driver
-        kda_ops.ops.use_triton = self._saved_use_triton
-        return False
+        return self._context.__exit__(*exc)
 
 
 # ---------------------------------------------------------------- fixed-shape (graph) inputs

@@ -17,6 +17,7 @@ from kda_ops.kernels import dispatch
 from kda_ops.kernels.dispatch import kernel_choices
 
 from helpers import query_start_loc
+from tools.stand_in_target import sm90_launches
 
 triton = pytest.importorskip("triton")
 pytestmark = [
@@ -32,31 +33,12 @@ D = H * (2 * K + V)
 SMALL_BATCH, LARGE_BATCH = 2, 160  # programmatic launch below 8; two V tiles from 256 pairs
 
 
-class _CompileOnlyDriver:
-    """What Triton's launcher asks of a driver before it builds a kernel."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-
 @contextlib.contextmanager
 def built_not_run(monkeypatch):
     """CPU tensors take the Triton launches, which build their kernels for
-    sm_90 (programmatic launch where a GPU would take it) and launch nothing;
-    yields the names of the kernels built."""
-    from triton.backends.compiler import GPUTarget
+    sm_90 (tools/stand_in_target.py; programmatic launch where a GPU would
+    take it) and launch nothing; yields the names of the kernels built."""
     from triton.runtime.jit import JITFunction
-
-    import kda_ops.ops
 
     built = []
     run = JITFunction.run
@@ -67,14 +49,9 @@ def built_not_run(monkeypatch):
         return kernel
 
     monkeypatch.setattr(JITFunction, "run", build_only)
-    monkeypatch.setattr(kda_ops.ops, "use_triton", lambda t: True)
     monkeypatch.setattr(dispatch, "launches_programmatically", lambda t: True)
-    saved = triton.runtime.driver._active
-    triton.runtime.driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", 90, 32)))
-    try:
+    with sm90_launches():
         yield built
-    finally:
-        triton.runtime.driver._active = saved
 
 
 def step_inputs(batch, T, *, tree=False, records=None, activations=torch.bfloat16,
