@@ -242,25 +242,33 @@ def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, link_o
         check_against_oracle(args, buffers, None, lower_bound=lower_bound)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("form, T, K, V, lower_bound, decay_shift", [
+_ONE_KERNEL_PENDING_CASES = [
     ("closed_form", 3, 16, 8, -5.0, 0.0), ("closed_form", 4, 16, 40, None, 4.0),
     ("token_loop", 5, 16, 40, -5.0, 0.0), ("token_loop", 3, 72, 8, None, 4.0),
-    ("tensor_cores", 6, 16, 40, -5.0, 0.0), ("tensor_cores", 8, 72, 72, None, 4.0),
+    ("tensor_cores", 6, 16, 40, -5.0, 0.0), ("tensor_cores", 8, 72, 72, None, 4.0)]
+_SEPARATE_TERMS_PENDING_CASES = [
     ("separate_terms", 2, 16, 8, -5.0, 0.0), ("separate_terms", 4, 16, 40, None, 0.0),
-    ("separate_terms", 8, 72, 72, -100.0, 4.0)])
-def test_verify_with_pending_records(device, form, T, K, V, lower_bound, decay_shift):
+    ("separate_terms", 8, 72, 72, -100.0, 4.0)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form, T, K, V, lower_bound, decay_shift, branch_on_no_pending", [
+    (*case, branch) for case in _ONE_KERNEL_PENDING_CASES for branch in (True, False)]
+    + [(*case, None) for case in _SEPARATE_TERMS_PENDING_CASES])
+def test_verify_with_pending_records(device, form, T, K, V, lower_bound, decay_shift,
+                                     branch_on_no_pending):
     """The deferred schedule's verify in every form: each window starts from
     its checkpoint folded with the block's pending records and is recorded
     after them. Records of R = 2T + 3 positions (one or two record chunks);
-    counts of 0 (the kernels then skip the records' terms), 1, some, R - T,
+    counts of 0 (the kernels then skip the records' terms, or with
+    branch_on_no_pending run the immediate schedule's code), 1, some, R - T,
     R - 1 (room for one token), R (no room), a negative and one past R;
     windows of 0 to T + 2 tokens (those past T get zero outputs), the null
     block, a negative and an out-of-range index."""
     R = 2 * T + 3
     lens = (T, 1, 0, T + 2, 3, T - 1, 2, T, 2, T, T)
     indices = (1, 2, 0, 3, -2, 4, 6, 5, 9, 7, 8)
-    with kernel_choices(verify_form=form):
+    with kernel_choices(verify_form=form, branch_on_no_pending=branch_on_no_pending):
         args, buffers = make_problem(device, H=4, K=K, V=V, T=T, N=9, lens=lens, indices=indices,
                                      decay_shift=decay_shift, seed=61 + T + K, records=R)
         pending = torch.tensor([5, R - 1, 3, R - T, R, -3, R + 4, 0, 1], dtype=torch.int32)

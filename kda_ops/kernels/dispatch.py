@@ -107,6 +107,9 @@ class KernelChoices:
     fused_conv: conv_verify convolves inside verify's programs (True: wherever
         the verify form allows) or launches conv_update's kernel first (False;
         the default below FUSED_CONV_BELOW_PAIRS).
+    branch_on_no_pending: a deferred verify in one kernel branches, per
+        (request, head), to the immediate schedule's code where no record is
+        pending (default: where it expects none, see `expects_pending`).
     """
 
     verify_form: Optional[str] = None
@@ -116,6 +119,7 @@ class KernelChoices:
     cheap_tf32_split: bool = True
     listed_folds: Optional[bool] = None
     fused_conv: Optional[bool] = None
+    branch_on_no_pending: Optional[bool] = None
 
 
 _choices: contextvars.ContextVar = contextvars.ContextVar("kda_ops_kernel_choices",
@@ -151,6 +155,7 @@ class VerifyConfig(NamedTuple):
     cheap_tf32_split: bool  # separate_terms only
     prefetch_state: bool  # with a programmatic launch
     prefetch_records: bool  # the pending records too: the deferred forms
+    branch_on_no_pending: bool  # deferred, one kernel: the immediate code at 0 pending
 
     @property
     def closed_form(self) -> bool:
@@ -219,9 +224,12 @@ def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False,
     key_chunk = min(triton.next_power_of_2(key_dim), 32)
     link = (spec_len >= LINK_ON_TENSOR_CORES_FROM_LEN if choices.link_on_tensor_cores is None
             else choices.link_on_tensor_cores) and spec_len <= LINK_ON_TENSOR_CORES_UP_TO
+    branch = (not deferred if choices.branch_on_no_pending is None
+              else choices.branch_on_no_pending)
     common = dict(form=form, key_chunk=key_chunk, link_on_tensor_cores=link,
                   cheap_tf32_split=choices.cheap_tf32_split,
-                  prefetch_state=choices.prefetch_state, prefetch_records=deferred)
+                  prefetch_state=choices.prefetch_state, prefetch_records=deferred,
+                  branch_on_no_pending=branch)
     rows = triton.next_power_of_2(value_dim)
     if form == "separate_terms":
         # 16 rows at least: smaller tiles the tensor cores only take padded.
