@@ -370,6 +370,29 @@ def test_verify_expects_pending_records_from_the_eager_fold_batch():
     assert expects_pending(True, ShapeEnv().create_unbacked_symint())
 
 
+def test_deferred_verify_branches_on_no_pending_where_it_expects_none():
+    """Where verify expects no pending record (below the eager-fold batch) a
+    deferred launch of the one-kernel forms holds the immediate code and
+    branches to it per (request, head); where it expects records it does not,
+    nor does an immediate launch; kernel_choices overrides the policy."""
+    from kda_ops.kernels.verify import verify_launches
+
+    def branches(config, deferred):
+        kernel = verify_launches(config, 128, 128, 4, True, False, records=12,
+                                 deferred=deferred)["verify"]
+        return kernel[1]["BRANCH_ON_NO_PENDING"]
+
+    expecting_none = verify_config(128, 128, 32, 4, deferred=False)
+    expecting_records = verify_config(128, 128, 32, 4, deferred=True)
+    assert branches(expecting_none, deferred=True)
+    assert not branches(expecting_none, deferred=False)
+    assert not branches(expecting_records, deferred=True)
+    with kernel_choices(branch_on_no_pending=True):
+        assert branches(verify_config(128, 128, 32, 4, deferred=True), deferred=True)
+    with kernel_choices(branch_on_no_pending=False):
+        assert not branches(verify_config(128, 128, 32, 4, deferred=False), deferred=True)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_verify_layouts(device):
     """Leading dim of 1, flat dt_bias, non-power-of-two head dims, T = 1."""

@@ -210,7 +210,10 @@ def verify_form(key_dim, request_heads, spec_len, deferred=False, tree=False) ->
 def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False,
                   tree=False) -> VerifyConfig:
     """The VerifyConfig of a launch over `request_heads` = batch × heads pairs,
-    of tree windows with `tree`."""
+    of tree windows with `tree`, whose windows follow pending records with
+    `deferred` (`expects_pending`). Where it expects none, a deferred launch
+    of the one-kernel forms branches to the immediate schedule's code for each
+    (request, head) with none pending."""
     choices = _choices.get()
     form = choices.verify_form or verify_form(key_dim, request_heads, spec_len, deferred, tree)
     if form in ("tensor_cores", "separate_terms") and not tensor_cores_fit(key_dim, spec_len,
