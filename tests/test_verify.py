@@ -254,7 +254,7 @@ _SEPARATE_TERMS_PENDING_CASES = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form, T, K, V, lower_bound, decay_shift, branch_on_no_pending", [
     (*case, branch) for case in _ONE_KERNEL_PENDING_CASES for branch in (True, False)]
-    + [(*case, None) for case in _SEPARATE_TERMS_PENDING_CASES])
+    + [(*case, False) for case in _SEPARATE_TERMS_PENDING_CASES])
 def test_verify_with_pending_records(device, form, T, K, V, lower_bound, decay_shift,
                                      branch_on_no_pending):
     """The deferred schedule's verify in every form: each window starts from
@@ -370,27 +370,25 @@ def test_verify_expects_pending_records_from_the_eager_fold_batch():
     assert expects_pending(True, ShapeEnv().create_unbacked_symint())
 
 
-def test_deferred_verify_branches_on_no_pending_where_it_expects_none():
-    """Where verify expects no pending record (below the eager-fold batch) a
-    deferred launch of the one-kernel forms holds the immediate code and
-    branches to it per (request, head); where it expects records it does not,
-    nor does an immediate launch; kernel_choices overrides the policy."""
+def test_deferred_verify_branches_on_no_pending_when_chosen():
+    """With kernel_choices(branch_on_no_pending=True) a deferred launch of the
+    one-kernel forms holds the immediate code and branches to it per (request,
+    head), whatever records it expects; an immediate launch never does, nor a
+    deferred one by default."""
     from kda_ops.kernels.verify import verify_launches
 
-    def branches(config, deferred):
+    def branches(deferred, expects_records):
+        config = verify_config(128, 128, 32, 4, deferred=expects_records)
         kernel = verify_launches(config, 128, 128, 4, True, False, records=12,
                                  deferred=deferred)["verify"]
         return kernel[1]["BRANCH_ON_NO_PENDING"]
 
-    expecting_none = verify_config(128, 128, 32, 4, deferred=False)
-    expecting_records = verify_config(128, 128, 32, 4, deferred=True)
-    assert branches(expecting_none, deferred=True)
-    assert not branches(expecting_none, deferred=False)
-    assert not branches(expecting_records, deferred=True)
+    assert not any(branches(deferred, expects) for deferred in (False, True)
+                   for expects in (False, True))
     with kernel_choices(branch_on_no_pending=True):
-        assert branches(verify_config(128, 128, 32, 4, deferred=True), deferred=True)
-    with kernel_choices(branch_on_no_pending=False):
-        assert not branches(verify_config(128, 128, 32, 4, deferred=False), deferred=True)
+        assert branches(deferred=True, expects_records=False)
+        assert branches(deferred=True, expects_records=True)
+        assert not branches(deferred=False, expects_records=False)
 
 
 @pytest.mark.parametrize("device", DEVICES)

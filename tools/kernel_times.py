@@ -115,16 +115,16 @@ def main(argv=None):
     parser.add_argument("--listed-folds", default=None, choices=("on", "off"),
                         help="the deferred commit's listed folds on or off instead of the "
                              "policy's")
-    parser.add_argument("--branch-on-no-pending", default=None, choices=("on", "off"),
+    parser.add_argument("--branch-on-no-pending", default="off", choices=("on", "off"),
                         help="the deferred verify's branch to the immediate code at 0 "
-                             "pending on or off instead of the policy's")
+                             "pending (default off)")
     args = parser.parse_args(argv)
-    on_off = lambda choice: None if choice is None else choice == "on"  # noqa: E731
+    listed = None if args.listed_folds is None else args.listed_folds == "on"
     T = args.spec_len
     cases = [(T, 0)] + [(args.record_len, p) for p in _ints(args.pending)]
     with kernel_choices(programmatic_launch=False, verify_form=args.verify_form,
-                        listed_folds=on_off(args.listed_folds),
-                        branch_on_no_pending=on_off(args.branch_on_no_pending)):
+                        listed_folds=listed,
+                        branch_on_no_pending=args.branch_on_no_pending == "on"):
         for batch in _ints(args.batches):
             for records, pending_count in cases:
                 verify, commit = setup(batch, T, args.layers, records, pending_count,

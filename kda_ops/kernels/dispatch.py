@@ -107,9 +107,9 @@ class KernelChoices:
     fused_conv: conv_verify convolves inside verify's programs (True: wherever
         the verify form allows) or launches conv_update's kernel first (False;
         the default below FUSED_CONV_BELOW_PAIRS).
-    branch_on_no_pending: a deferred verify in one kernel branches, per
-        (request, head), to the immediate schedule's code where no record is
-        pending (default: where it expects none, see `expects_pending`).
+    branch_on_no_pending: a deferred verify in one kernel holds the immediate
+        schedule's code too and branches to it, per (request, head), where no
+        record is pending (default off).
     """
 
     verify_form: Optional[str] = None
@@ -119,7 +119,7 @@ class KernelChoices:
     cheap_tf32_split: bool = True
     listed_folds: Optional[bool] = None
     fused_conv: Optional[bool] = None
-    branch_on_no_pending: Optional[bool] = None
+    branch_on_no_pending: bool = False
 
 
 _choices: contextvars.ContextVar = contextvars.ContextVar("kda_ops_kernel_choices",
@@ -211,9 +211,7 @@ def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False,
                   tree=False) -> VerifyConfig:
     """The VerifyConfig of a launch over `request_heads` = batch × heads pairs,
     of tree windows with `tree`, whose windows follow pending records with
-    `deferred` (`expects_pending`). Where it expects none, a deferred launch
-    of the one-kernel forms branches to the immediate schedule's code for each
-    (request, head) with none pending."""
+    `deferred` (`expects_pending`)."""
     choices = _choices.get()
     form = choices.verify_form or verify_form(key_dim, request_heads, spec_len, deferred, tree)
     if form in ("tensor_cores", "separate_terms") and not tensor_cores_fit(key_dim, spec_len,
@@ -227,12 +225,10 @@ def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False,
     key_chunk = min(triton.next_power_of_2(key_dim), 32)
     link = (spec_len >= LINK_ON_TENSOR_CORES_FROM_LEN if choices.link_on_tensor_cores is None
             else choices.link_on_tensor_cores) and spec_len <= LINK_ON_TENSOR_CORES_UP_TO
-    branch = (not deferred if choices.branch_on_no_pending is None
-              else choices.branch_on_no_pending)
     common = dict(form=form, key_chunk=key_chunk, link_on_tensor_cores=link,
                   cheap_tf32_split=choices.cheap_tf32_split,
                   prefetch_state=choices.prefetch_state, prefetch_records=deferred,
-                  branch_on_no_pending=branch)
+                  branch_on_no_pending=bool(choices.branch_on_no_pending))
     rows = triton.next_power_of_2(value_dim)
     if form == "separate_terms":
         # 16 rows at least: smaller tiles the tensor cores only take padded.

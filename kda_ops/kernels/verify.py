@@ -32,10 +32,9 @@ Below 8 requests the kernels launch programmatically (dispatch.dependent_launch)
 and each program asks the L2 for its state tile before waiting on the
 previous kernel. The constants below carry the measurements behind them.
 
-In the deferred schedule below the eager-fold batch, where commits leave no
-record pending, the kernel holds both schedules' code and each (request,
-head) branches on its pending count: at none it runs the immediate code
-(`VerifyConfig.branch_on_no_pending`).
+With `kernel_choices(branch_on_no_pending=True)` a deferred launch holds both
+schedules' code and each (request, head) branches on its pending count: at
+none it runs the immediate code.
 
 conv_verify launches conv_update's kernel and then this one; with
 FUSED_CONV (`kernel_choices(fused_conv=True)`) one program per (request,
