@@ -151,29 +151,6 @@ def test_verify_and_conv_verify_build(monkeypatch, T, form, deferred, tree, fuse
     assert set(built) == verify_kernels(form, fused_conv)
 
 
-@pytest.mark.parametrize("form, tree, fused_conv", [
-    (form, tree, fused) for form in ("token_loop", "closed_form", "tensor_cores")
-    for tree in (False, True) if _fits(form, 4, tree) for fused in (None, True)])
-def test_deferred_verify_branching_on_no_pending_builds(monkeypatch, form, tree, fused_conv):
-    """The deferred one-kernel forms that hold the immediate code too
-    (kernel_choices(branch_on_no_pending=True)), verify and fused conv_verify."""
-    a = first_layer(step_inputs(SMALL_BATCH, 4, tree=tree, records=12))
-    extra = dict(lower_bound=-5.0, pending=a["pending"], spec_len=4)
-    if tree:
-        extra.update(parent=a["parent"])
-    caches = [a[name] for name in ("A_log", "dt_bias", "state", "correction", "key_gate")]
-    with built_not_run(monkeypatch) as built, kernel_choices(
-            verify_form=form, fused_conv=bool(fused_conv), branch_on_no_pending=True):
-        if fused_conv is None:
-            kda_ops.verify(a["q"], a["k"], a["v"], a["g"], a["beta"], *caches,
-                           a["query_start_loc"], a["state_indices"], **extra)
-        else:
-            kda_ops.conv_verify(a["x"], a["conv_state"], a["conv_weight"], a["conv_bias"],
-                                a["g"], a["beta"], *caches, a["query_start_loc"],
-                                a["state_indices"], **extra)
-    assert set(built) == verify_kernels(form, fused_conv)
-
-
 COMMIT_CASES = [
     dict(tree=tree, deferred=deferred, align=align, history=history, listed=listed,
          eager_fold=eager_fold, batch=batch)

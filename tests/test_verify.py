@@ -242,33 +242,25 @@ def test_verify_separate_terms(device, T, lower_bound, decay_shift, K, V, link_o
         check_against_oracle(args, buffers, None, lower_bound=lower_bound)
 
 
-_ONE_KERNEL_PENDING_CASES = [
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form, T, K, V, lower_bound, decay_shift", [
     ("closed_form", 3, 16, 8, -5.0, 0.0), ("closed_form", 4, 16, 40, None, 4.0),
     ("token_loop", 5, 16, 40, -5.0, 0.0), ("token_loop", 3, 72, 8, None, 4.0),
-    ("tensor_cores", 6, 16, 40, -5.0, 0.0), ("tensor_cores", 8, 72, 72, None, 4.0)]
-_SEPARATE_TERMS_PENDING_CASES = [
+    ("tensor_cores", 6, 16, 40, -5.0, 0.0), ("tensor_cores", 8, 72, 72, None, 4.0),
     ("separate_terms", 2, 16, 8, -5.0, 0.0), ("separate_terms", 4, 16, 40, None, 0.0),
-    ("separate_terms", 8, 72, 72, -100.0, 4.0)]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("form, T, K, V, lower_bound, decay_shift, branch_on_no_pending", [
-    (*case, branch) for case in _ONE_KERNEL_PENDING_CASES for branch in (True, False)]
-    + [(*case, False) for case in _SEPARATE_TERMS_PENDING_CASES])
-def test_verify_with_pending_records(device, form, T, K, V, lower_bound, decay_shift,
-                                     branch_on_no_pending):
+    ("separate_terms", 8, 72, 72, -100.0, 4.0)])
+def test_verify_with_pending_records(device, form, T, K, V, lower_bound, decay_shift):
     """The deferred schedule's verify in every form: each window starts from
     its checkpoint folded with the block's pending records and is recorded
     after them. Records of R = 2T + 3 positions (one or two record chunks);
-    counts of 0 (the kernels then skip the records' terms, or with
-    branch_on_no_pending run the immediate schedule's code), 1, some, R - T,
+    counts of 0 (the kernels then skip the records' terms), 1, some, R - T,
     R - 1 (room for one token), R (no room), a negative and one past R;
     windows of 0 to T + 2 tokens (those past T get zero outputs), the null
     block, a negative and an out-of-range index."""
     R = 2 * T + 3
     lens = (T, 1, 0, T + 2, 3, T - 1, 2, T, 2, T, T)
     indices = (1, 2, 0, 3, -2, 4, 6, 5, 9, 7, 8)
-    with kernel_choices(verify_form=form, branch_on_no_pending=branch_on_no_pending):
+    with kernel_choices(verify_form=form):
         args, buffers = make_problem(device, H=4, K=K, V=V, T=T, N=9, lens=lens, indices=indices,
                                      decay_shift=decay_shift, seed=61 + T + K, records=R)
         pending = torch.tensor([5, R - 1, 3, R - T, R, -3, R + 4, 0, 1], dtype=torch.int32)
@@ -368,27 +360,6 @@ def test_verify_expects_pending_records_from_the_eager_fold_batch():
     assert expects_pending(True, EAGER_BELOW)
     assert not expects_pending(False, 256)
     assert expects_pending(True, ShapeEnv().create_unbacked_symint())
-
-
-def test_deferred_verify_branches_on_no_pending_when_chosen():
-    """With kernel_choices(branch_on_no_pending=True) a deferred launch of the
-    one-kernel forms holds the immediate code and branches to it per (request,
-    head), whatever records it expects; an immediate launch never does, nor a
-    deferred one by default."""
-    from kda_ops.kernels.verify import verify_launches
-
-    def branches(deferred, expects_records):
-        config = verify_config(128, 128, 32, 4, deferred=expects_records)
-        kernel = verify_launches(config, 128, 128, 4, True, False, records=12,
-                                 deferred=deferred)["verify"]
-        return kernel[1]["BRANCH_ON_NO_PENDING"]
-
-    assert not any(branches(deferred, expects) for deferred in (False, True)
-                   for expects in (False, True))
-    with kernel_choices(branch_on_no_pending=True):
-        assert branches(deferred=True, expects_records=False)
-        assert branches(deferred=True, expects_records=True)
-        assert not branches(deferred=False, expects_records=False)
 
 
 @pytest.mark.parametrize("device", DEVICES)

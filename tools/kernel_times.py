@@ -2,7 +2,7 @@
 
     python tools/kernel_times.py [--batches 1,16,64] [--spec-len 4] [--record-len 12]
         [--pending 0,4,8] [--accepted 2] [--layers 16] [--verify-form FORM]
-        [--listed-folds on|off] [--branch-on-no-pending on|off]
+        [--listed-folds on|off]
 
 Where a decode step's time goes, kernel by kernel: for each batch, verify (one
 layer) and commit (every layer) in the immediate schedule, then in the
@@ -115,16 +115,12 @@ def main(argv=None):
     parser.add_argument("--listed-folds", default=None, choices=("on", "off"),
                         help="the deferred commit's listed folds on or off instead of the "
                              "policy's")
-    parser.add_argument("--branch-on-no-pending", default="off", choices=("on", "off"),
-                        help="the deferred verify's branch to the immediate code at 0 "
-                             "pending (default off)")
     args = parser.parse_args(argv)
     listed = None if args.listed_folds is None else args.listed_folds == "on"
     T = args.spec_len
     cases = [(T, 0)] + [(args.record_len, p) for p in _ints(args.pending)]
     with kernel_choices(programmatic_launch=False, verify_form=args.verify_form,
-                        listed_folds=listed,
-                        branch_on_no_pending=args.branch_on_no_pending == "on"):
+                        listed_folds=listed):
         for batch in _ints(args.batches):
             for records, pending_count in cases:
                 verify, commit = setup(batch, T, args.layers, records, pending_count,

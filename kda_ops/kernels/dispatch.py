@@ -107,9 +107,6 @@ class KernelChoices:
     fused_conv: conv_verify convolves inside verify's programs (True: wherever
         the verify form allows) or launches conv_update's kernel first (False;
         the default below FUSED_CONV_BELOW_PAIRS).
-    branch_on_no_pending: a deferred verify in one kernel holds the immediate
-        schedule's code too and branches to it, per (request, head), where no
-        record is pending (default off).
     """
 
     verify_form: Optional[str] = None
@@ -119,7 +116,6 @@ class KernelChoices:
     cheap_tf32_split: bool = True
     listed_folds: Optional[bool] = None
     fused_conv: Optional[bool] = None
-    branch_on_no_pending: bool = False
 
 
 _choices: contextvars.ContextVar = contextvars.ContextVar("kda_ops_kernel_choices",
@@ -155,7 +151,6 @@ class VerifyConfig(NamedTuple):
     cheap_tf32_split: bool  # separate_terms only
     prefetch_state: bool  # with a programmatic launch
     prefetch_records: bool  # the pending records too: the deferred forms
-    branch_on_no_pending: bool  # deferred, one kernel: the immediate code at 0 pending
 
     @property
     def closed_form(self) -> bool:
@@ -210,8 +205,7 @@ def verify_form(key_dim, request_heads, spec_len, deferred=False, tree=False) ->
 def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False,
                   tree=False) -> VerifyConfig:
     """The VerifyConfig of a launch over `request_heads` = batch × heads pairs,
-    of tree windows with `tree`, whose windows follow pending records with
-    `deferred` (`expects_pending`)."""
+    of tree windows with `tree`."""
     choices = _choices.get()
     form = choices.verify_form or verify_form(key_dim, request_heads, spec_len, deferred, tree)
     if form in ("tensor_cores", "separate_terms") and not tensor_cores_fit(key_dim, spec_len,
@@ -227,8 +221,7 @@ def verify_config(key_dim, value_dim, request_heads, spec_len, deferred=False,
             else choices.link_on_tensor_cores) and spec_len <= LINK_ON_TENSOR_CORES_UP_TO
     common = dict(form=form, key_chunk=key_chunk, link_on_tensor_cores=link,
                   cheap_tf32_split=choices.cheap_tf32_split,
-                  prefetch_state=choices.prefetch_state, prefetch_records=deferred,
-                  branch_on_no_pending=bool(choices.branch_on_no_pending))
+                  prefetch_state=choices.prefetch_state, prefetch_records=deferred)
     rows = triton.next_power_of_2(value_dim)
     if form == "separate_terms":
         # 16 rows at least: smaller tiles the tensor cores only take padded.

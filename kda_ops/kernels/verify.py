@@ -32,10 +32,6 @@ Below 8 requests the kernels launch programmatically (dispatch.dependent_launch)
 and each program asks the L2 for its state tile before waiting on the
 previous kernel. The constants below carry the measurements behind them.
 
-With `kernel_choices(branch_on_no_pending=True)` a deferred launch holds both
-schedules' code and each (request, head) branches on its pending count: at
-none it runs the immediate code.
-
 conv_verify launches conv_update's kernel and then this one; with
 FUSED_CONV (`kernel_choices(fused_conv=True)`) one program per (request,
 head) first convolves the head's channels itself (`_convolve_head`).
@@ -86,7 +82,7 @@ def _verify_kernel(
     CLOSED_FORM: tl.constexpr, TENSOR_CORES: tl.constexpr, NP: tl.constexpr,
     STAGES: tl.constexpr, PREFETCH_STATE: tl.constexpr, PREFETCH_RECORDS: tl.constexpr,
     FUSED_CONV: tl.constexpr, WIDTH: tl.constexpr, BH: tl.constexpr, BVH: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BRANCH_ON_NO_PENDING: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     PDL: tl.constexpr,
 ):
     first_tile = tl.program_id(0) * V_TILES
@@ -116,6 +112,9 @@ def _verify_kernel(
     window = tl.maximum(eos - bos, 0)
     block = tl.load(state_indices_ptr + b * stride_state_indices).to(tl.int64)
 
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < K
+
     valid = block_is_valid(block, num_blocks)
     # The window is recorded after the block's pending records. Their count is
     # loaded here, not in a helper, as it addresses stores (see commit_plan_row).
@@ -124,269 +123,197 @@ def _verify_kernel(
         count = tl.load(pending_ptr + tl.where(valid, block, 0) * stride_pending, mask=valid,
                         other=0).to(tl.int64)
     first, processed = window_after_records(count, window, valid, SPEC_LEN, RECORDS)
-    if BRANCH_ON_NO_PENDING:
-        # A uniform branch: a window with no pending record runs the immediate
-        # schedule's code, without the records' loads and terms.
-        no_pending = first == 0
-    else:
-        no_pending = False
     if valid:
-        if no_pending:
-            _verify_window(
-                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
-                correction_ptr, key_gate_ptr, out_ptr, vectors_ptr, coupling_ptr, pending_terms_ptr,
-                parent_ptr, x_ptr, conv_ptr, conv_weight_ptr, conv_bias_ptr, lower_bound, scale, b,
-                h, first_tile, bos, window, block, first, processed, stride_q_tok, stride_q_head,
-                stride_q_dim, stride_k_tok, stride_k_head, stride_k_dim, stride_v_tok,
-                stride_v_head, stride_v_dim, stride_g_tok, stride_g_head, stride_g_dim,
-                stride_beta_tok, stride_beta_head, stride_A_head, stride_dt_head, stride_dt_dim,
-                stride_s_blk, stride_s_head, stride_s_v, stride_s_k, stride_c_blk, stride_c_head,
-                stride_c_tok, stride_c_dim, stride_kg_blk, stride_kg_head, stride_kg_tok,
-                stride_kg_dim, stride_o_tok, stride_o_head, stride_o_dim, stride_parent,
-                stride_x_tok, stride_x_dim, stride_conv_blk, stride_conv_dim, stride_conv_col,
-                stride_w_dim, stride_w_tap, stride_bias, K, V, BK, BV, SPEC_LEN, BT, BR, TREE,
-                USE_LOWER_BOUND, KEY_CHUNK, V_TILES, UNROLL_TOKENS, CLOSED_FORM, TENSOR_CORES, NP,
-                STAGES, PREFETCH_STATE and PREFETCH_RECORDS, FUSED_CONV, WIDTH, BH, BVH, HAS_BIAS,
-                SILU,
-                DEFERRED=False)
+        # The first state tile is requested before phase 1, so that its latency
+        # overlaps phase 1's loads and arithmetic.
+        NUM_CHUNKS: tl.constexpr = BK // KEY_CHUNK
+        slots = tl.arange(0, NUM_CHUNKS * BV)
+        slot_keys = (slots // BV)[:, None] * KEY_CHUNK + tl.arange(0, KEY_CHUNK)[None, :]
+        slot_key_mask = slot_keys < K
+        state_head = state_ptr + block * stride_s_blk + h * stride_s_head
+        kg_head = key_gate_ptr + block * stride_kg_blk + h * stride_kg_head
+        corr_head = correction_ptr + block * stride_c_blk + h * stride_c_head
+        if not TENSOR_CORES:  # the tensor-core products load their own chunks
+            state = _load_state_tile(state_head, first_tile, slots, slot_keys, slot_key_mask,
+                                     stride_s_v, stride_s_k, V, BV)
+        if FUSED_CONV:
+            # conv_verify: this program owns the head's channels of x and of the
+            # conv state (grid (1, B, H)); q, k and v point into the window's
+            # convolution outputs, written here and read from phase 1 on.
+            _convolve_head(x_ptr, conv_ptr, conv_weight_ptr, conv_bias_ptr, q_ptr, parent_ptr,
+                           bos, block, tl.minimum(window, SPEC_LEN), h, tl.num_programs(2),
+                           stride_x_tok, stride_x_dim, stride_conv_blk, stride_conv_dim,
+                           stride_conv_col, stride_w_dim, stride_w_tap, stride_bias,
+                           stride_q_tok, stride_q_dim, stride_parent, K, V, BK, BVH, WIDTH,
+                           BT, BH, HAS_BIAS, SILU, TREE)
+        # Phase 1: every token's decay and normalised key and query, all
+        # tokens at once, into this (request, head)'s workspace rows. The token
+        # loop below then only loads them, in the state tile's layout, instead of
+        # reducing and converting layouts (barriers) inside its serial chain.
+        # Every program of the head writes the same values.
+        A = tl.exp(tl.load(A_log_ptr + h * stride_A_head).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + h * stride_dt_head + offs_k * stride_dt_dim,
+                          mask=mask_k, other=0.0).to(tl.float32)
+        steps = tl.arange(0, BT)
+        tokens = bos + steps[:, None]
+        tile_mask = (steps < processed)[:, None] & mask_k[None, :]
+        load_mask = (steps < tl.minimum(window, SPEC_LEN))[:, None] & mask_k[None, :]
+        raw_k, raw_g, raw_q = load_window(
+            k_ptr, g_ptr, q_ptr, tokens, h, offs_k, load_mask, tile_mask, stride_k_tok,
+            stride_k_head, stride_k_dim, stride_g_tok, stride_g_head, stride_g_dim,
+            stride_q_tok, stride_q_head, stride_q_dim, DEFERRED)
+        keys, queries, decays = window_vectors(raw_k, raw_g, raw_q, dt_bias, A, lower_bound,
+                                               scale, USE_LOWER_BOUND)
+        head_row = (b * tl.num_programs(2) + h).to(tl.int64)  # workspace rows: int64 offsets
+        NUM_VECTORS: tl.constexpr = 5 if CLOSED_FORM else 3
+        vec_base = vectors_ptr + head_row * (BT * NUM_VECTORS * BK)
+        # All BT rows are written: past the window (and past K) they hold finite
+        # values (those of zero inputs; a decay of 1 in closed form), for the
+        # unrolled token loop to run over.
+        vec_tile = vec_base + offs_k[None, :] + steps[:, None] * (NUM_VECTORS * BK)
+        # Deferred: closed forms keep the coefficients of pending_terms, `[BR, 2 BT]`;
+        # the token loop the pending records' decays and keys, `[BR, 2 BK]`.
+        pending_at = pending_terms_ptr + head_row * (BR * 2 * (BT if CLOSED_FORM else BK))
+        if TREE:
+            # The same terms along each node's path: the walk gathers its
+            # ancestors' keys and decays from the rows written first.
+            decays = tl.where(tile_mask, decays, 1.0)
+            tl.store(vec_tile + 2 * BK, keys)
+            tl.store(vec_tile + 3 * BK, queries)
+            tl.store(vec_tile + 4 * BK, decays)
+            tl.debug_barrier()  # the rows are written before the walk gathers them
+            key_terms, query_terms, key_coupling, query_coupling = tree_window_terms(
+                keys, queries, decays, vec_base + 2 * BK, NUM_VECTORS * BK, 2 * BK, parent_ptr,
+                stride_parent, bos, processed, steps, offs_k, mask_k, SPEC_LEN)
+            if DEFERRED:  # every node's path starts after the pending records
+                key_terms, query_terms = pending_terms(
+                    key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
+                    dt_bias, A, lower_bound, offs_k, mask_k, pending_at, K, BK, BR,
+                    USE_LOWER_BOUND, PREFETCHED=PREFETCH_STATE and PREFETCH_RECORDS)
+            tl.store(vec_tile, key_terms)
+            tl.store(vec_tile + BK, query_terms)
+            coupling_at = coupling_ptr + head_row * (2 * BT * BT)
+            coupling_tile = coupling_at + steps[:, None] * BT + steps[None, :]
+            tl.store(coupling_tile, key_coupling)
+            tl.store(coupling_tile + BT * BT, query_coupling)
+        elif CLOSED_FORM:
+            # E_t, the decay product of tokens 0..t, scales the token's key and
+            # query for their products with the checkpoint; k, q and the decay
+            # feed the coupling below.
+            decays = tl.where(tile_mask, decays, 1.0)
+            window_decays = tl.cumprod(decays, axis=0)
+            key_terms = keys * window_decays
+            query_terms = queries * window_decays
+            if DEFERRED:
+                key_terms, query_terms = pending_terms(
+                    key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
+                    dt_bias, A, lower_bound, offs_k, mask_k, pending_at, K, BK, BR, USE_LOWER_BOUND,
+                    PREFETCHED=PREFETCH_STATE and PREFETCH_RECORDS)
+            tl.store(vec_tile, key_terms)
+            tl.store(vec_tile + BK, query_terms)
+            tl.store(vec_tile + 2 * BK, keys)
+            tl.store(vec_tile + 3 * BK, queries)
+            tl.store(vec_tile + 4 * BK, decays)
+            coupling_at = coupling_ptr + head_row * (2 * BT * BT)
+            tl.debug_barrier()  # the key, query and decay rows are written
+            _store_coupling(keys, vec_base, offs_k, mask_k, steps, coupling_at, BK, BT, SPEC_LEN)
         else:
-            _verify_window(
-                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
-                correction_ptr, key_gate_ptr, out_ptr, vectors_ptr, coupling_ptr, pending_terms_ptr,
-                parent_ptr, x_ptr, conv_ptr, conv_weight_ptr, conv_bias_ptr, lower_bound, scale, b,
-                h, first_tile, bos, window, block, first, processed, stride_q_tok, stride_q_head,
-                stride_q_dim, stride_k_tok, stride_k_head, stride_k_dim, stride_v_tok,
-                stride_v_head, stride_v_dim, stride_g_tok, stride_g_head, stride_g_dim,
-                stride_beta_tok, stride_beta_head, stride_A_head, stride_dt_head, stride_dt_dim,
-                stride_s_blk, stride_s_head, stride_s_v, stride_s_k, stride_c_blk, stride_c_head,
-                stride_c_tok, stride_c_dim, stride_kg_blk, stride_kg_head, stride_kg_tok,
-                stride_kg_dim, stride_o_tok, stride_o_head, stride_o_dim, stride_parent,
-                stride_x_tok, stride_x_dim, stride_conv_blk, stride_conv_dim, stride_conv_col,
-                stride_w_dim, stride_w_tap, stride_bias, K, V, BK, BV, SPEC_LEN, BT, BR, TREE,
-                USE_LOWER_BOUND, KEY_CHUNK, V_TILES, UNROLL_TOKENS, CLOSED_FORM, TENSOR_CORES, NP,
-                STAGES, PREFETCH_STATE and PREFETCH_RECORDS, FUSED_CONV, WIDTH, BH, BVH, HAS_BIAS,
-                SILU,
-                DEFERRED=DEFERRED)
+            tl.store(vec_tile, decays)
+            tl.store(vec_tile + BK, keys)
+            tl.store(vec_tile + 2 * BK, queries)
+            coupling_at = coupling_ptr + head_row * BT
+            tl.store(coupling_at + steps, tl.sum(keys * queries, axis=1))
+            if DEFERRED:
+                pending_keys, pending_decays = pending_records(
+                    kg_head, stride_kg_tok, stride_kg_dim, first, dt_bias, A, lower_bound,
+                    offs_k, mask_k, K, BR, USE_LOWER_BOUND)
+                pending_rows = pending_at + tl.arange(0, BR)[:, None] * (2 * BK) + offs_k[None, :]
+                tl.store(pending_rows, pending_decays)
+                tl.store(pending_rows + BK, pending_keys)
+        # Pending records are only read (positions < first): no program writes them.
+        if tl.program_id(0) == 0:
+            kg_tile = (kg_head + (first + steps)[:, None] * stride_kg_tok
+                       + offs_k[None, :] * stride_kg_dim)
+            tl.store(kg_tile, raw_k, mask=tile_mask)
+            tl.store(kg_tile + K * stride_kg_dim, raw_g, mask=tile_mask)
+        tl.debug_barrier()  # the workspace rows are written before any thread reads them
+
+        # Phase 2: the recurrence over the state tile. With S the state before
+        # token t and D its decay, S' = S D:
+        #   u = beta (v - S' k),  out = (S' + u k^T) q = S' q + u (k . q),
+        # so both products read S' independently; then S <- S' + u k^T. Applying
+        # D to the state first needs one workspace vector fewer per token than
+        # products with D k and D q (the same multiplications): less L1 traffic.
+        # The state tile is split into key chunks stacked chunk-major: slot
+        # c * BV + r holds row r's keys [c * KEY_CHUNK, (c + 1) * KEY_CHUNK).
+        # With 32-key chunks a warp spans 4 rows x 32 keys and each thread holds
+        # all chunks of its rows, so a row's dot product is summed in registers
+        # and then over 8 lanes; the [BV, BK] tile spread each row over 32 lanes.
+        # A 3-D [BV, chunks, KEY_CHUNK] tile would do it too, but Triton 3.6 and
+        # 3.9 lay that one out differently; this 2-D one they lay out alike.
+        beta_at = beta_ptr + bos * stride_beta_tok + h * stride_beta_head
+        # Unrolled over the group, and the zero stores below form their offsets
+        # inside their own loop, so that nothing of either is held across the
+        # token loop: a runtime tile loop with the zero-store offsets formed up
+        # front took 13-17 registers more and was 4-7% slower at B = 1, T = 4
+        # and 8 on an H200.
+        for tile_in_group in tl.static_range(V_TILES):
+            tile = first_tile + tile_in_group
+            offs_v = tile * BV + tl.arange(0, BV)
+            mask_v = offs_v < V
+            v_rows = v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim
+            if (tile_in_group > 0) and (not TENSOR_CORES):
+                state = _load_state_tile(state_head, tile, slots, slot_keys, slot_key_mask,
+                                         stride_s_v, stride_s_k, V, BV)
+            if DEFERRED and (not CLOSED_FORM):
+                state = _fold_pending(state, first, pending_at, slot_keys, slot_key_mask,
+                                      corr_head, tile * BV + slots % BV, stride_c_tok,
+                                      stride_c_dim, V, BK)
+            # Each token's outputs are kept in `[BV, BT]` tiles, in the layout
+            # the row sums come in, and stored once after the loop: a store per
+            # token needed a layout conversion through shared memory (four
+            # barriers per token).
+            outs = tl.zeros([BV, BT], dtype=tl.float32)
+            corrections = tl.zeros([BV, BT], dtype=tl.float32)
+            if TENSOR_CORES:
+                # Column n reads token n % BT's E k (n < BT) or E q (BT <= n < 2 BT).
+                cols = tl.arange(0, NP)
+                term_cols = vec_base + (cols % BT) * (5 * BK) + (cols // BT) * BK
+                outs, corrections = tensor_core_tile(
+                    state_head, term_cols, outs, corrections, processed, steps, coupling_at,
+                    v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
+                    stride_beta_tok, first, corr_head, pending_at, stride_c_tok, stride_c_dim,
+                    K, V, BK, BV, BT, NP, SPEC_LEN, BR, DEFERRED, KEY_CHUNK, STAGES,
+                    CHEAP_SPLIT=False)
+            elif CLOSED_FORM:
+                outs, corrections = _closed_form_tile(
+                    state, outs, corrections, processed, steps, vec_base, slot_keys,
+                    slot_key_mask, coupling_at, v_rows, offs_v, beta_at, stride_v_tok,
+                    stride_beta_tok, first, corr_head, pending_at, tile, stride_c_tok,
+                    stride_c_dim, V, BK, BV, BT, SPEC_LEN, BR, DEFERRED, NUM_CHUNKS, KEY_CHUNK)
+            elif UNROLL_TOKENS:
+                for t in tl.static_range(SPEC_LEN):
+                    state, outs, corrections = _token_step(
+                        state, outs, corrections, t, t < processed, steps,
+                        vec_base, slot_keys, slot_key_mask, coupling_at, v_rows, offs_v, beta_at,
+                        stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK)
+            else:
+                for t in range(0, processed):
+                    state, outs, corrections = _token_step(
+                        state, outs, corrections, t, t < processed, steps,
+                        vec_base, slot_keys, slot_key_mask, coupling_at, v_rows, offs_v, beta_at,
+                        stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK)
+            step_mask = mask_v[:, None] & (steps < processed)[None, :]
+            tl.store(out_ptr + (bos + steps[None, :]) * stride_o_tok + h * stride_o_head
+                     + offs_v[:, None] * stride_o_dim, outs, mask=step_mask)
+            tl.store(corr_head + (first + steps)[None, :] * stride_c_tok
+                     + offs_v[:, None] * stride_c_dim, corrections, mask=step_mask)
     for t in range(processed, window):
         # Formed here, in a rarely taken loop, so that nothing of it is held
         # across phase 2 (see the tile loop).
         offs_group = first_tile * BV + tl.arange(0, V_TILES * BV)
         tl.store(out_ptr + (bos + t) * stride_o_tok + h * stride_o_head + offs_group * stride_o_dim,
                  tl.zeros([V_TILES * BV], dtype=tl.float32), mask=offs_group < V)
-
-
-@triton.jit
-def _verify_window(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, state_ptr, correction_ptr,
-    key_gate_ptr, out_ptr, vectors_ptr, coupling_ptr, pending_terms_ptr, parent_ptr, x_ptr,
-    conv_ptr, conv_weight_ptr, conv_bias_ptr, lower_bound, scale, b, h, first_tile, bos,
-    window, block, first, processed,
-    stride_q_tok, stride_q_head, stride_q_dim, stride_k_tok, stride_k_head, stride_k_dim,
-    stride_v_tok, stride_v_head, stride_v_dim, stride_g_tok, stride_g_head, stride_g_dim,
-    stride_beta_tok, stride_beta_head, stride_A_head, stride_dt_head, stride_dt_dim,
-    stride_s_blk, stride_s_head, stride_s_v, stride_s_k,
-    stride_c_blk, stride_c_head, stride_c_tok, stride_c_dim,
-    stride_kg_blk, stride_kg_head, stride_kg_tok, stride_kg_dim,
-    stride_o_tok, stride_o_head, stride_o_dim, stride_parent,
-    stride_x_tok, stride_x_dim, stride_conv_blk, stride_conv_dim, stride_conv_col,
-    stride_w_dim, stride_w_tap, stride_bias,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    SPEC_LEN: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, TREE: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, KEY_CHUNK: tl.constexpr, V_TILES: tl.constexpr,
-    UNROLL_TOKENS: tl.constexpr, CLOSED_FORM: tl.constexpr, TENSOR_CORES: tl.constexpr,
-    NP: tl.constexpr, STAGES: tl.constexpr, RECORDS_PREFETCHED: tl.constexpr,
-    FUSED_CONV: tl.constexpr, WIDTH: tl.constexpr, BH: tl.constexpr, BVH: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, DEFERRED: tl.constexpr,
-):
-    """Phases 1 and 2 of a valid (request, head)'s window over V tiles
-    `first_tile ...`, recorded from position `first` (the pending records
-    before it are read where DEFERRED)."""
-    offs_k = tl.arange(0, BK)
-    mask_k = offs_k < K
-    # The first state tile is requested before phase 1, so that its latency
-    # overlaps phase 1's loads and arithmetic.
-    NUM_CHUNKS: tl.constexpr = BK // KEY_CHUNK
-    slots = tl.arange(0, NUM_CHUNKS * BV)
-    slot_keys = (slots // BV)[:, None] * KEY_CHUNK + tl.arange(0, KEY_CHUNK)[None, :]
-    slot_key_mask = slot_keys < K
-    state_head = state_ptr + block * stride_s_blk + h * stride_s_head
-    kg_head = key_gate_ptr + block * stride_kg_blk + h * stride_kg_head
-    corr_head = correction_ptr + block * stride_c_blk + h * stride_c_head
-    if not TENSOR_CORES:  # the tensor-core products load their own chunks
-        state = _load_state_tile(state_head, first_tile, slots, slot_keys, slot_key_mask,
-                                 stride_s_v, stride_s_k, V, BV)
-    if FUSED_CONV:
-        # conv_verify: this program owns the head's channels of x and of the
-        # conv state (grid (1, B, H)); q, k and v point into the window's
-        # convolution outputs, written here and read from phase 1 on.
-        _convolve_head(x_ptr, conv_ptr, conv_weight_ptr, conv_bias_ptr, q_ptr, parent_ptr,
-                       bos, block, tl.minimum(window, SPEC_LEN), h, tl.num_programs(2),
-                       stride_x_tok, stride_x_dim, stride_conv_blk, stride_conv_dim,
-                       stride_conv_col, stride_w_dim, stride_w_tap, stride_bias,
-                       stride_q_tok, stride_q_dim, stride_parent, K, V, BK, BVH, WIDTH,
-                       BT, BH, HAS_BIAS, SILU, TREE)
-    # Phase 1: every token's decay and normalised key and query, all
-    # tokens at once, into this (request, head)'s workspace rows. The token
-    # loop below then only loads them, in the state tile's layout, instead of
-    # reducing and converting layouts (barriers) inside its serial chain.
-    # Every program of the head writes the same values.
-    A = tl.exp(tl.load(A_log_ptr + h * stride_A_head).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + h * stride_dt_head + offs_k * stride_dt_dim,
-                      mask=mask_k, other=0.0).to(tl.float32)
-    steps = tl.arange(0, BT)
-    tokens = bos + steps[:, None]
-    tile_mask = (steps < processed)[:, None] & mask_k[None, :]
-    load_mask = (steps < tl.minimum(window, SPEC_LEN))[:, None] & mask_k[None, :]
-    raw_k, raw_g, raw_q = load_window(
-        k_ptr, g_ptr, q_ptr, tokens, h, offs_k, load_mask, tile_mask, stride_k_tok,
-        stride_k_head, stride_k_dim, stride_g_tok, stride_g_head, stride_g_dim,
-        stride_q_tok, stride_q_head, stride_q_dim, DEFERRED)
-    keys, queries, decays = window_vectors(raw_k, raw_g, raw_q, dt_bias, A, lower_bound,
-                                           scale, USE_LOWER_BOUND)
-    head_row = (b * tl.num_programs(2) + h).to(tl.int64)  # workspace rows: int64 offsets
-    NUM_VECTORS: tl.constexpr = 5 if CLOSED_FORM else 3
-    vec_base = vectors_ptr + head_row * (BT * NUM_VECTORS * BK)
-    # All BT rows are written: past the window (and past K) they hold finite
-    # values (those of zero inputs; a decay of 1 in closed form), for the
-    # unrolled token loop to run over.
-    vec_tile = vec_base + offs_k[None, :] + steps[:, None] * (NUM_VECTORS * BK)
-    # Deferred: closed forms keep the coefficients of pending_terms, `[BR, 2 BT]`;
-    # the token loop the pending records' decays and keys, `[BR, 2 BK]`.
-    pending_at = pending_terms_ptr + head_row * (BR * 2 * (BT if CLOSED_FORM else BK))
-    if TREE:
-        # The same terms along each node's path: the walk gathers its
-        # ancestors' keys and decays from the rows written first.
-        decays = tl.where(tile_mask, decays, 1.0)
-        tl.store(vec_tile + 2 * BK, keys)
-        tl.store(vec_tile + 3 * BK, queries)
-        tl.store(vec_tile + 4 * BK, decays)
-        tl.debug_barrier()  # the rows are written before the walk gathers them
-        key_terms, query_terms, key_coupling, query_coupling = tree_window_terms(
-            keys, queries, decays, vec_base + 2 * BK, NUM_VECTORS * BK, 2 * BK, parent_ptr,
-            stride_parent, bos, processed, steps, offs_k, mask_k, SPEC_LEN)
-        if DEFERRED:  # every node's path starts after the pending records
-            key_terms, query_terms = pending_terms(
-                key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
-                dt_bias, A, lower_bound, offs_k, mask_k, pending_at, K, BK, BR,
-                USE_LOWER_BOUND, PREFETCHED=RECORDS_PREFETCHED)
-        tl.store(vec_tile, key_terms)
-        tl.store(vec_tile + BK, query_terms)
-        coupling_at = coupling_ptr + head_row * (2 * BT * BT)
-        coupling_tile = coupling_at + steps[:, None] * BT + steps[None, :]
-        tl.store(coupling_tile, key_coupling)
-        tl.store(coupling_tile + BT * BT, query_coupling)
-    elif CLOSED_FORM:
-        # E_t, the decay product of tokens 0..t, scales the token's key and
-        # query for their products with the checkpoint; k, q and the decay
-        # feed the coupling below.
-        decays = tl.where(tile_mask, decays, 1.0)
-        window_decays = tl.cumprod(decays, axis=0)
-        key_terms = keys * window_decays
-        query_terms = queries * window_decays
-        if DEFERRED:
-            key_terms, query_terms = pending_terms(
-                key_terms, query_terms, steps, kg_head, stride_kg_tok, stride_kg_dim, first,
-                dt_bias, A, lower_bound, offs_k, mask_k, pending_at, K, BK, BR, USE_LOWER_BOUND,
-                PREFETCHED=RECORDS_PREFETCHED)
-        tl.store(vec_tile, key_terms)
-        tl.store(vec_tile + BK, query_terms)
-        tl.store(vec_tile + 2 * BK, keys)
-        tl.store(vec_tile + 3 * BK, queries)
-        tl.store(vec_tile + 4 * BK, decays)
-        coupling_at = coupling_ptr + head_row * (2 * BT * BT)
-        tl.debug_barrier()  # the key, query and decay rows are written
-        _store_coupling(keys, vec_base, offs_k, mask_k, steps, coupling_at, BK, BT, SPEC_LEN)
-    else:
-        tl.store(vec_tile, decays)
-        tl.store(vec_tile + BK, keys)
-        tl.store(vec_tile + 2 * BK, queries)
-        coupling_at = coupling_ptr + head_row * BT
-        tl.store(coupling_at + steps, tl.sum(keys * queries, axis=1))
-        if DEFERRED:
-            pending_keys, pending_decays = pending_records(
-                kg_head, stride_kg_tok, stride_kg_dim, first, dt_bias, A, lower_bound,
-                offs_k, mask_k, K, BR, USE_LOWER_BOUND)
-            pending_rows = pending_at + tl.arange(0, BR)[:, None] * (2 * BK) + offs_k[None, :]
-            tl.store(pending_rows, pending_decays)
-            tl.store(pending_rows + BK, pending_keys)
-    # Pending records are only read (positions < first): no program writes them.
-    if tl.program_id(0) == 0:
-        kg_tile = (kg_head + (first + steps)[:, None] * stride_kg_tok
-                   + offs_k[None, :] * stride_kg_dim)
-        tl.store(kg_tile, raw_k, mask=tile_mask)
-        tl.store(kg_tile + K * stride_kg_dim, raw_g, mask=tile_mask)
-    tl.debug_barrier()  # the workspace rows are written before any thread reads them
-
-    # Phase 2: the recurrence over the state tile. With S the state before
-    # token t and D its decay, S' = S D:
-    #   u = beta (v - S' k),  out = (S' + u k^T) q = S' q + u (k . q),
-    # so both products read S' independently; then S <- S' + u k^T. Applying
-    # D to the state first needs one workspace vector fewer per token than
-    # products with D k and D q (the same multiplications): less L1 traffic.
-    # The state tile is split into key chunks stacked chunk-major: slot
-    # c * BV + r holds row r's keys [c * KEY_CHUNK, (c + 1) * KEY_CHUNK).
-    # With 32-key chunks a warp spans 4 rows x 32 keys and each thread holds
-    # all chunks of its rows, so a row's dot product is summed in registers
-    # and then over 8 lanes; the [BV, BK] tile spread each row over 32 lanes.
-    # A 3-D [BV, chunks, KEY_CHUNK] tile would do it too, but Triton 3.6 and
-    # 3.9 lay that one out differently; this 2-D one they lay out alike.
-    beta_at = beta_ptr + bos * stride_beta_tok + h * stride_beta_head
-    # Unrolled over the group, and the zero stores below form their offsets
-    # inside their own loop, so that nothing of either is held across the
-    # token loop: a runtime tile loop with the zero-store offsets formed up
-    # front took 13-17 registers more and was 4-7% slower at B = 1, T = 4
-    # and 8 on an H200.
-    for tile_in_group in tl.static_range(V_TILES):
-        tile = first_tile + tile_in_group
-        offs_v = tile * BV + tl.arange(0, BV)
-        mask_v = offs_v < V
-        v_rows = v_ptr + bos * stride_v_tok + h * stride_v_head + offs_v * stride_v_dim
-        if (tile_in_group > 0) and (not TENSOR_CORES):
-            state = _load_state_tile(state_head, tile, slots, slot_keys, slot_key_mask,
-                                     stride_s_v, stride_s_k, V, BV)
-        if DEFERRED and (not CLOSED_FORM):
-            state = _fold_pending(state, first, pending_at, slot_keys, slot_key_mask,
-                                  corr_head, tile * BV + slots % BV, stride_c_tok,
-                                  stride_c_dim, V, BK)
-        # Each token's outputs are kept in `[BV, BT]` tiles, in the layout
-        # the row sums come in, and stored once after the loop: a store per
-        # token needed a layout conversion through shared memory (four
-        # barriers per token).
-        outs = tl.zeros([BV, BT], dtype=tl.float32)
-        corrections = tl.zeros([BV, BT], dtype=tl.float32)
-        if TENSOR_CORES:
-            # Column n reads token n % BT's E k (n < BT) or E q (BT <= n < 2 BT).
-            cols = tl.arange(0, NP)
-            term_cols = vec_base + (cols % BT) * (5 * BK) + (cols // BT) * BK
-            outs, corrections = tensor_core_tile(
-                state_head, term_cols, outs, corrections, processed, steps, coupling_at,
-                v_rows, offs_v, beta_at, stride_s_v, stride_s_k, stride_v_tok,
-                stride_beta_tok, first, corr_head, pending_at, stride_c_tok, stride_c_dim,
-                K, V, BK, BV, BT, NP, SPEC_LEN, BR, DEFERRED, KEY_CHUNK, STAGES,
-                CHEAP_SPLIT=False)
-        elif CLOSED_FORM:
-            outs, corrections = _closed_form_tile(
-                state, outs, corrections, processed, steps, vec_base, slot_keys,
-                slot_key_mask, coupling_at, v_rows, offs_v, beta_at, stride_v_tok,
-                stride_beta_tok, first, corr_head, pending_at, tile, stride_c_tok,
-                stride_c_dim, V, BK, BV, BT, SPEC_LEN, BR, DEFERRED, NUM_CHUNKS, KEY_CHUNK)
-        elif UNROLL_TOKENS:
-            for t in tl.static_range(SPEC_LEN):
-                state, outs, corrections = _token_step(
-                    state, outs, corrections, t, t < processed, steps,
-                    vec_base, slot_keys, slot_key_mask, coupling_at, v_rows, offs_v, beta_at,
-                    stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK)
-        else:
-            for t in range(0, processed):
-                state, outs, corrections = _token_step(
-                    state, outs, corrections, t, t < processed, steps,
-                    vec_base, slot_keys, slot_key_mask, coupling_at, v_rows, offs_v, beta_at,
-                    stride_v_tok, stride_beta_tok, V, BK, BV, NUM_CHUNKS, KEY_CHUNK)
-        step_mask = mask_v[:, None] & (steps < processed)[None, :]
-        tl.store(out_ptr + (bos + steps[None, :]) * stride_o_tok + h * stride_o_head
-                 + offs_v[:, None] * stride_o_dim, outs, mask=step_mask)
-        tl.store(corr_head + (first + steps)[None, :] * stride_c_tok
-                 + offs_v[:, None] * stride_c_dim, corrections, mask=step_mask)
 
 
 @triton.jit
@@ -598,7 +525,6 @@ def verify_launches(config, key_dim, value_dim, spec_len, use_lower_bound, pdl, 
         CLOSED_FORM=config.closed_form, TENSOR_CORES=config.tensor_cores, NP=max(16, 2 * BT),
         STAGES=config.stages, PREFETCH_STATE=config.prefetch_state and pdl,
         PREFETCH_RECORDS=config.prefetch_records,
-        BRANCH_ON_NO_PENDING=deferred and config.branch_on_no_pending,
         **_fused_conv_constexprs(conv, value_dim, spec_len), PDL=pdl), config.num_warps)}
 
 
