@@ -501,6 +501,13 @@ def _variants(op, T, record_lens, acceptances, eager_folds=(None,)):
 
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NO_RECURRENT_STATE_OPS = ("conv_update",)
+
+
+def _row_state_dtypes(op, state_dtypes):
+    """The state dtypes `op` gets a row for: the first only for an op that
+    reads no recurrent state (its rows would repeat)."""
+    return state_dtypes[:1] if op in NO_RECURRENT_STATE_OPS else state_dtypes
 
 
 def measure(ops, batches, spec_lens, layers, device, copy_bw, record_lens=(),
@@ -510,7 +517,7 @@ def measure(ops, batches, spec_lens, layers, device, copy_bw, record_lens=(),
                                 state_dtype=STATE_DTYPES[state], **variant))
               for op in ops for T in spec_lens
               for variant in _variants(op, T, record_lens, acceptances, eager_folds)
-              for state in state_dtypes for B in batches)
+              for state in _row_state_dtypes(op, state_dtypes) for B in batches)
     for op, state, shape in shapes:
         calls, moved = SETUPS[op](shape, device)
         us = graph_time_us(calls)
@@ -553,24 +560,40 @@ def _label(row):
     return label
 
 
+def plot_series(rows):
+    """{(op, label, T): [(batch, fraction of copy)]}: one line per row label
+    (op, schedule, state dtype, tree) and T."""
+    series = {}
+    for r in rows:
+        series.setdefault((r["op"], _label(r), r["spec_len"]), []).append(
+            (r["batch"], r["fraction_of_copy"]))
+    return series
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
-    ops = sorted({r["op"] for r in rows})
-    spec_lens = sorted({r["spec_len"] for r in rows})
+    fig, ax = plt.subplots(figsize=(11, 6))
+    series = plot_series(rows)
+    ops = sorted({op for op, _, _ in series})
+    spec_lens = sorted({T for _, _, T in series})
     styles = ["-", "--", ":", "-."]
-    for (op, T) in sorted({(r["op"], r["spec_len"]) for r in rows}):
-        sel = [r for r in rows if r["op"] == op and r["spec_len"] == T]
-        ax.plot([r["batch"] for r in sel], [r["fraction_of_copy"] for r in sel], marker="o",
-                color=f"C{ops.index(op)}", linestyle=styles[spec_lens.index(T) % len(styles)],
-                label=f"{op} T={T}")
+    markers = ["o", "s", "^", "D", "v"]
+    for op in ops:
+        # The op's colour; its variants (state dtype, schedule, tree) by marker.
+        variants = sorted({label for o, label, _ in series if o == op})
+        for (o, label, T), points in sorted(series.items()):
+            if o != op:
+                continue
+            ax.plot(*zip(*points), color=f"C{ops.index(op) % 10}",
+                    linestyle=styles[spec_lens.index(T) % len(styles)],
+                    marker=markers[variants.index(label) % len(markers)], label=f"{label} T={T}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch (requests)")
     ax.set_ylabel("effective bandwidth / copy bandwidth")
     ax.axhline(0.8, color="gray", linestyle="--", linewidth=0.8)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

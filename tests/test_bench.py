@@ -310,8 +310,22 @@ def test_an_interrupted_run_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     assert [(row["batch"], row["time_us"]) for row in run["rows"]] == [(1, 11.0), (2, 12.0)]
 
 
+def test_state_dtypes_give_rows_to_ops_with_a_recurrent_state(monkeypatch):
+    """--state-dtypes float32,bfloat16 measures verify and commit at both,
+    conv_update (no recurrent state) once."""
+    monkeypatch.setattr(bench, "graph_time_us", lambda calls: 1.0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    for op in ("verify", "commit", "conv_update"):
+        monkeypatch.setitem(bench.SETUPS, op, lambda shape, device: ([], 1e6))
+    rows = bench.measure(["verify", "commit", "conv_update"], [1], [4], 16, "cpu", 1e12,
+                         state_dtypes=("float32", "bfloat16"))
+    assert [(row["op"], row["state"]) for row in rows] == [
+        ("verify", "float32"), ("verify", "bfloat16"), ("commit", "float32"),
+        ("commit", "bfloat16"), ("conv_update", "float32")]
+
+
 # The saved runs whose tables docs/performance.md shows.
-DOC_RUNS = ["h200-2026-12-05", "h100-deferred-default-t4", "h100-trees-t8", "h100-trees-t16"]
+DOC_RUNS = ["h100-2026-12-07", "h100-deferred-default", "h100-trees-t8", "h100-trees-t16"]
 
 
 @pytest.mark.parametrize("name", DOC_RUNS)
@@ -359,5 +373,16 @@ def test_ratio_table_against_each_row_s_baseline():
 
 def test_plot_of_saved_runs(tmp_path):
     png = tmp_path / "saved.png"
-    bench.main(["--table", str(SAVED_RUNS), "--runs", "h200-2026-12-05", "--plot", str(png)])
+    bench.main(["--table", str(SAVED_RUNS), "--runs", "h100-2026-12-07", "--plot", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_draws_a_line_per_row_label_and_window():
+    """A bfloat16 state's rows get lines of their own, not joined to the
+    float32 rows of the same op and T."""
+    [run] = bench.load_runs(SAVED_RUNS, ["h100-2026-12-07"])
+    series = bench.plot_series(run["rows"])
+    assert ("verify", "verify, bfloat16 state", 4) in series
+    for points in series.values():
+        batches = [batch for batch, _ in points]
+        assert batches == sorted(set(batches)), "one point per batch on each line"
