@@ -580,15 +580,12 @@ def plot(rows, path):
     spec_lens = sorted({T for _, _, T in series})
     styles = ["-", "--", ":", "-."]
     markers = ["o", "s", "^", "D", "v"]
-    for op in ops:
-        # The op's colour; its variants (state dtype, schedule, tree) by marker.
-        variants = sorted({label for o, label, _ in series if o == op})
-        for (o, label, T), points in sorted(series.items()):
-            if o != op:
-                continue
-            ax.plot(*zip(*points), color=f"C{ops.index(op) % 10}",
-                    linestyle=styles[spec_lens.index(T) % len(styles)],
-                    marker=markers[variants.index(label) % len(markers)], label=f"{label} T={T}")
+    # The op's colour; its variants (state dtype, schedule, tree) by marker.
+    variants = {op: sorted({label for o, label, _ in series if o == op}) for op in ops}
+    for (op, label, T), points in sorted(series.items()):
+        ax.plot(*zip(*points), color=f"C{ops.index(op) % 10}",
+                linestyle=styles[spec_lens.index(T) % len(styles)],
+                marker=markers[variants[op].index(label) % len(markers)], label=f"{label} T={T}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch (requests)")
     ax.set_ylabel("effective bandwidth / copy bandwidth")
