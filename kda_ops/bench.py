@@ -477,6 +477,7 @@ def copy_bandwidth(device, nbytes=2 << 30):
 
 
 ONE_LAYER_OPS = ("verify", "conv_update", "verify_tree")  # the others run every layer
+NO_RECURRENT_STATE_OPS = ("conv_update",)  # one row whatever --state-dtypes says
 TREE_OPS = ("verify_tree", "commit_tree")
 TREE_SHAPES = ("chain", "balanced")
 
@@ -501,7 +502,6 @@ def _variants(op, T, record_lens, acceptances, eager_folds=(None,)):
 
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-NO_RECURRENT_STATE_OPS = ("conv_update",)
 
 
 def _row_state_dtypes(op, state_dtypes):
