@@ -1,8 +1,9 @@
 """Random metadata, valid or not, through a whole step with the value checks
 on (docs/semantics.md#10-value-checks): conv_update and verify, or
 conv_verify, then commit (and flush, under the deferred schedule); chains or
-trees, immediate or deferred, in align mode or not. Each case starts from
-valid metadata and breaks zero to two of its preconditions at random. A call
+trees, immediate or deferred, in align mode or not, every tensor dense or
+laid out at random in a padded buffer. Each case starts from valid metadata
+and breaks zero to two of its preconditions at random. A call
 the checks refuse must write nothing, every break they must see is refused,
 and valid metadata is accepted. A call they accept must give, on this path
 (the PyTorch path on CPU, the Triton kernels under TRITON_INTERPRET=1 and on
@@ -71,7 +72,8 @@ def valid_case(rng):
                 accepted=accepted, parents=parents, paths=paths, fused=rng.random() < 0.3,
                 num_blocks=num_blocks, prefix=rng.randint(0, 2), suffix=rng.randint(0, 2),
                 pending=pending, eager_fold=rng.choice([None, False]), block_size=block_size,
-                table=table, computed=computed, commit_gate_scale=1.0, nan_token=None,
+                table=table, computed=computed, layouts=rng.random() < 0.5,
+                commit_gate_scale=1.0, nan_token=None,
                 broken=[], maybe_broken=[])
 
 
@@ -210,6 +212,27 @@ def tensors(c, gen, device):
     return {name: None if v is None else v.to(device) for name, v in t.items()}
 
 
+def random_layout(t, rng, paddings):
+    """`t`'s values in a view of a larger buffer whose dims lie in memory in a
+    random order, each padded by 0 to 2 elements, and at times every other
+    element of it (no dim of unit stride); the rest of the buffer is NaN (the
+    largest int32 in index tensors), and `paddings` gets it, to check that
+    nothing reads it into a result or writes it."""
+    order = list(range(t.dim()))
+    rng.shuffle(order)  # memory order, outermost first
+    padded = [t.shape[d] + rng.choice([0, 0, 1, 2]) for d in order] + [rng.choice([1, 2])]
+    fill = float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).max
+    buffer = torch.full(padded, fill, dtype=t.dtype, device=t.device)
+    inside = torch.zeros(padded, dtype=torch.bool, device=t.device)
+    back = [order.index(d) for d in range(t.dim())]
+    region = tuple(slice(0, n) for n in t.shape)
+    view = buffer[..., 0].permute(back)[region]
+    view.copy_(t)
+    inside[..., 0].permute(back)[region] = True
+    paddings.append((buffer, ~inside))
+    return view
+
+
 def refused(call, *written):
     """Runs `call`; True if the value checks refused it, having written nothing."""
     before = [w.clone() for w in written if w is not None]
@@ -226,7 +249,20 @@ def run_case(c, device, seed):
     """The step on `device` and in the reference; returns the op the checks
     refused, or "accepted"."""
     gen = torch.Generator().manual_seed(seed)
-    t = tensors(c, gen, device)
+    t, paddings = tensors(c, gen, device), []
+    if c["layouts"]:
+        rng = random.Random(seed)
+        t = {name: v if v is None or rng.random() < 0.3 else random_layout(v, rng, paddings)
+             for name, v in t.items()}
+    outcome = _step(c, t)
+    for buffer, padding in paddings:
+        fill = buffer[padding]
+        assert (fill.isnan().all() if buffer.is_floating_point()
+                else (fill == torch.iinfo(buffer.dtype).max).all()), "a padding was written"
+    return outcome
+
+
+def _step(c, t):
     cpu = {name: None if v is None else v.cpu().clone() for name, v in t.items()}
     T = c["T"]
     tree = dict(parent=t["parent"]) if c["parents"] is not None else {}
