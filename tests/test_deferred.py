@@ -498,5 +498,5 @@ def test_deferred_ops_follow_the_reference_over_a_long_run(align, device):
         assert_rel_close(ours["state"].cpu(), reference["state"].float(),
                          name=f"state, step {step}")
     # Kept pending after about 3 commits in 4, half as often in align mode, which folds
-    # whenever one of its blocks of 4 fills (77% and 44-56% of 200 steps over 10 seeds).
+    # whenever one of its blocks of 4 fills (76-79% and 44-56% of 200 steps over 10 seeds).
     assert steps_left_pending > steps // 3, "commits must often leave tokens pending"
