@@ -21,6 +21,7 @@ import kda_ops
 from kda_ops import naive
 
 from helpers import DEVICES, INTERPRET, TOLERANCE, assert_rel_close
+from test_misuse import assert_unchanged, snapshot
 
 H, K, V, WIDTH = 2, 16, 8, 3
 D = H * (2 * K + V)
@@ -239,12 +240,11 @@ def random_layout(t, rng, paddings):
 
 def refused(call, *written):
     """Runs `call`; True if the value checks refused it, having written nothing."""
-    before = [w.clone() for w in written if w is not None]
+    before = snapshot(*written)
     try:
         call()
     except ValueError:
-        for old, new in zip(before, (w for w in written if w is not None)):
-            assert torch.equal(old, new), "a refused call wrote a buffer"
+        assert_unchanged(before, *written)
         return True
     return False
 
@@ -353,8 +353,7 @@ def _step(c, t):
                           **inputs_ref, A_log=cpu["A_log"][None] * scale,
                           dt_bias=cpu["dt_bias"][None], lower_bound=LOWER_BOUND,
                           **on_cpu(align), **on_cpu(path),
-                          **(dict(pending=cpu["pending"], spec_len=T,
-                                  eager_fold=c["eager_fold"]) if c["deferred"] else {}))
+                          **(dict(schedule, pending=cpu["pending"]) if schedule else {}))
     assert_rel_close(t["state"].cpu(), result[0].float(), name="committed state")
     assert torch.equal(t["conv_state"].cpu(), result[1]), "compacted conv history"
     if not c["deferred"]:
